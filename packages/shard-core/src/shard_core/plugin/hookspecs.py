@@ -1,0 +1,62 @@
+"""The hook specifications of shard's plugin registry.
+
+Every hook a plugin may implement is declared here, once, typed and
+documented; nothing else in the project defines a hook. Built-in
+implementations register through these same hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+import pluggy
+
+from shard_core.protocols import CommHook, DeviceHandle, WrapPolicy
+
+__all__ = [
+    "PROJECT_NAME",
+    "hookimpl",
+    "hookspec",
+    "shard_comm_hooks",
+    "shard_device_handle",
+    "shard_wrap_policies",
+]
+
+PROJECT_NAME = "shard"
+"""The pluggy project name, which is also the entry-point group plugins register under."""
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def shard_wrap_policies() -> Mapping[str, Callable[..., WrapPolicy]]:
+    """Return wrap-policy factories by name.
+
+    Each factory takes keyword options (``min_num_params=...``) and builds a
+    :class:`~shard_core.protocols.WrapPolicy`. The runtime looks policies up
+    by name, so ``auto_wrap_policy="transformer"`` works. Names are unique
+    across all plugins; a second plugin claiming a name is an error.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def shard_comm_hooks() -> Mapping[str, CommHook]:
+    """Return gradient comm hooks by name (``"bf16_compress"``, say).
+
+    A user selects one by name with ``register_comm_hook("bf16_compress")``.
+    Names are unique across all plugins.
+    """
+    raise NotImplementedError
+
+
+@hookspec(firstresult=True)
+def shard_device_handle(device_type: str) -> DeviceHandle | None:
+    """Return a :class:`~shard_core.protocols.DeviceHandle` for ``device_type``.
+
+    Return ``None`` for device types this plugin does not serve. The first
+    non-``None`` answer wins; third-party plugins are asked before the
+    built-in CPU handle.
+    """
+    raise NotImplementedError
+

@@ -1,0 +1,235 @@
+"""The protocols a shard plugin implements.
+
+Plugins depend on ``shard-core`` only, so everything a plugin needs to know
+about the layers above it is written down here as a structural type: a wrap
+policy decides which submodules become units, a comm hook reduces a unit's
+gradient through a reducer the communication layer hands it, and a device
+handle hides one device type's streams, events and memory statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "CommHook",
+    "DeviceHandle",
+    "EventLike",
+    "GradReducer",
+    "StreamLike",
+    "WrapDecision",
+    "WrapPolicy",
+]
+
+# ---------------------------------------------------------------------------
+# Wrap policies
+# ---------------------------------------------------------------------------
+
+WrapDecision = bool | Mapping[str, Any]
+"""What a wrap policy answers for one module.
+
+``False``: the module does not become a unit (its parameters stay with the
+nearest unit above it). ``True``: it becomes a unit with the caller's keyword
+arguments. A mapping: it becomes a unit, and the mapping overrides some of
+the caller's keyword arguments for this unit only (``CustomPolicy``).
+"""
+
+
+@runtime_checkable
+class WrapPolicy(Protocol):
+    """Decides, bottom-up, which submodules of a model become units.
+
+    The walker visits modules in post-order (children before parents) and
+    asks :meth:`wrap` for each module it reaches; :meth:`descend` lets a
+    policy keep the walker out of a subtree (a leaf such as
+    ``MultiheadAttention``, whose submodules must never be units).
+    """
+
+    def descend(self, module: nn.Module, name: str) -> bool:
+        """Whether submodules of ``module`` (qualified name ``name``) may become units."""
+        ...
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
+        """Decide for ``module``.
+
+        ``unwrapped_numel`` counts the parameters in the subtree of ``module``
+        that no unit below it has claimed yet (what a size policy compares
+        against its threshold).
+        """
+        ...
+
+
+# ---------------------------------------------------------------------------
+# Gradient comm hooks
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class GradReducer(Protocol):
+    """The reduction the communication layer offers a comm hook.
+
+    It is the default reduction of a unit's gradient: a reduce-scatter into
+    the rank's shard when the unit is sharded, an all-reduce in place when it
+    is not, with the divide factors of the unit applied. It works in whatever
+    dtype it is given, which is what lets a hook compress.
+    """
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the gradient is reduced over."""
+        ...
+
+    @property
+    def pre_divide(self) -> float:
+        """Factor the gradient is divided by before communication."""
+        ...
+
+    @property
+    def post_divide(self) -> float:
+        """Factor the result is divided by after communication."""
+        ...
+
+    def reduce(self, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        """Reduce ``grad`` across ranks.
+
+        With ``output`` (a tensor of ``grad.numel() // world_size`` elements,
+        same dtype as ``grad``), reduce-scatter into it; with ``None``,
+        all-reduce ``grad`` in place. Divide factors are applied here.
+        """
+        ...
+
+
+@runtime_checkable
+class CommHook(Protocol):
+    """A gradient communication hook: replaces the default reduction of a unit.
+
+    Called once per unit per backward with the unit's unsharded, flat
+    gradient. It must leave the reduced result in ``output`` (sharded units)
+    or in ``grad`` itself (``output is None``: unsharded units), in the dtype
+    of those tensors. ``reducer`` performs the plain reduction; a hook may
+    call it on a transformed tensor (a lower precision copy, say).
+    """
+
+    def __call__(
+        self, reducer: GradReducer, grad: torch.Tensor, output: torch.Tensor | None
+    ) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# Device handles
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class EventLike(Protocol):
+    """A point in a stream's work that other streams or the host can wait on."""
+
+    def record(self, stream: StreamLike | None = None) -> None:
+        """Mark the current end of ``stream`` (the current stream when ``None``)."""
+        ...
+
+    def wait(self, stream: StreamLike | None = None) -> None:
+        """Make ``stream`` (the current stream when ``None``) wait for this event."""
+        ...
+
+    def query(self) -> bool:
+        """Whether all work before the event has completed."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until all work before the event has completed."""
+        ...
+
+
+@runtime_checkable
+class StreamLike(Protocol):
+    """An ordered queue of device work."""
+
+    def wait_stream(self, stream: StreamLike) -> None:
+        """Order future work on this stream after all work now queued on ``stream``."""
+        ...
+
+    def wait_event(self, event: EventLike) -> None:
+        """Order future work on this stream after ``event``."""
+        ...
+
+    def record_event(self, event: EventLike | None = None) -> EventLike:
+        """Record ``event`` (a new one when ``None``) at the end of this stream."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until all work on this stream has completed."""
+        ...
+
+
+@runtime_checkable
+class DeviceHandle(Protocol):
+    """One device type's runtime, as the engine uses it.
+
+    CPU is built into ``shard-core`` (no-op streams and events, process memory
+    statistics); CUDA and other accelerators come from plugins through the
+    ``shard_device_handle`` hook.
+    """
+
+    @property
+    def device_type(self) -> str:
+        """The ``torch.device`` type this handle serves (``"cpu"``, ``"cuda"``...)."""
+        ...
+
+    @property
+    def backend(self) -> str:
+        """The ``torch.distributed`` backend for this device type (``"gloo"``, ``"nccl"``...)."""
+        ...
+
+    def is_available(self) -> bool:
+        """Whether at least one device of this type is usable in this process."""
+        ...
+
+    def device_count(self) -> int:
+        """Number of devices of this type visible to this process."""
+        ...
+
+    def current_device(self) -> torch.device:
+        """The device that new tensors of this type land on."""
+        ...
+
+    def set_device(self, device: torch.device | int) -> None:
+        """Make ``device`` the current device of this process."""
+        ...
+
+    def new_stream(self, priority: int = 0) -> StreamLike:
+        """A new stream; lower ``priority`` numbers run first where supported."""
+        ...
+
+    def current_stream(self) -> StreamLike:
+        """The stream that work is queued on now."""
+        ...
+
+    def stream(self, stream: StreamLike) -> AbstractContextManager[None]:
+        """Make ``stream`` current inside a ``with`` block."""
+        ...
+
+    def new_event(self) -> EventLike:
+        """A new event."""
+        ...
+
+    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
+        """Tell the allocator ``tensor`` is used on ``stream`` (no-op without caching)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the current device has completed."""
+        ...
+
+    def memory_stats(self) -> Mapping[str, int]:
+        """Memory statistics in bytes: at least ``allocated`` and ``peak_allocated``."""
+        ...
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak measurement."""
+        ...

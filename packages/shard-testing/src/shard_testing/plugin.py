@@ -1,0 +1,1 @@
+"""pytest plugin for shard multi-rank tests (filled in by the rank pool)."""
