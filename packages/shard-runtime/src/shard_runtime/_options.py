@@ -1,0 +1,54 @@
+"""User options of ``fully_shard``: mixed precision and offloading.
+
+Same names, fields and defaults as PyTorch's ``fully_shard`` options, so a
+script switches by changing its import line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes a unit computes, communicates and returns in.
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters, so of the all-gather
+            and of forward/backward compute. ``None``: the parameters' own dtype.
+        reduce_dtype: dtype gradients are reduced in. ``None``: ``param_dtype``
+            (or the parameters' own dtype when that is ``None`` too).
+        output_dtype: dtype floating-point forward outputs are cast to.
+            ``None``: outputs are left as computed.
+        cast_forward_inputs: whether floating-point forward inputs are cast to
+            ``param_dtype`` before the unit's forward.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: sharded parameters, gradients and optimizer state stay on the device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients (and so optimizer state) on the CPU.
+
+    Each unit's shards are copied to the compute device for its all-gather and
+    its reduced gradient shard is copied back; the optimizer steps on the CPU.
+
+    Attributes:
+        pin_memory: pin the CPU shards so host-device copies can overlap
+            compute. Ignored where no accelerator is present.
+    """
+
+    pin_memory: bool = True

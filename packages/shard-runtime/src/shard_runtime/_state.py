@@ -1,0 +1,273 @@
+"""When a unit communicates: forward and backward hooks, and the root's step.
+
+One :class:`ShardState` per ``fully_shard`` call (shared by every module of a
+grouped call). It owns the unit and decides, from module hooks and autograd
+hooks, when the unit gathers, frees and reduces:
+
+- pre-forward: gather (or finish a prefetched gather), cast inputs;
+- post-forward: free (unless kept), remember the order, hook the outputs;
+- pre-backward (an output's gradient is ready): gather again, prefetch the
+  unit that runs backward next;
+- all of the unit's gradients accumulated: reduce-scatter, free;
+- end of backward (a callback the root queues on the autograd engine):
+  reduce what is left, wait for every reduction, reset for the next step.
+
+[Note: the root]
+The root is the outermost sharded module, found lazily at its first forward:
+it keeps its parameters after forward (backward needs them at once), it owns
+the post-forward order that drives backward prefetch, and it queues the
+end-of-backward callback. A submodule's forward before the root has run once
+has no root to report to, so it is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from shard_runtime._options import MixedPrecisionPolicy
+from shard_runtime._tree import iter_tensors, map_tensors
+from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
+
+__all__ = ["ShardState", "get_state"]
+
+_log = logging.getLogger("shard.runtime")
+
+_STATE_ATTR = "_shard_state"
+
+
+def get_state(module: nn.Module) -> ShardState | None:
+    """The state of a module passed to ``fully_shard``, or ``None``."""
+    state = module.__dict__.get(_STATE_ATTR)
+    return state if isinstance(state, ShardState) else None
+
+
+class ShardState:
+    """Hooks and step logic of one ``fully_shard`` call; see the module docstring."""
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        unit: Unit,
+        *,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.modules = modules
+        self.unit = unit
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        # - tree, filled by fully_shard and the root's lazy init
+        self.parent: ShardState | None = None
+        self.root: ShardState | None = None
+        # - root only; see [Note: the root]
+        self.all_states: list[ShardState] = []
+        self.post_forward_order: list[ShardState] = []
+        self._final_callback_queued = False
+        self._pending_reduce: PendingReduce | None = None
+        # - explicit prefetch, set through FSDPModule
+        self.forward_prefetch: list[ShardState] | None = None
+        self.backward_prefetch: list[ShardState] | None = None
+        # - grouped modules: reshard once the last of them has run forward
+        self._forwards_done: set[int] = set()
+        unit.on_all_grads_ready = self._on_all_grads_ready
+        for module in modules:
+            module.__dict__[_STATE_ATTR] = self
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
+            module.register_state_dict_pre_hook(self._state_dict_pre_hook)  # type: ignore[no-untyped-call]
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this state is the root of its tree (decided at the first forward)."""
+        return self.root is self
+
+    @property
+    def label(self) -> str:
+        """The module's qualified name in the root's model, for errors and profiles."""
+        return self.unit.label
+
+    # ------------------------------------------------------------------ lazy init
+
+    def _lazy_init(self) -> None:
+        if self.parent is not None:
+            outer = self.parent
+            while outer.parent is not None:
+                outer = outer.parent
+            raise RuntimeError(
+                f"fully_shard: the forward of {type(self.modules[0]).__name__} "
+                f"({self.label!r}) ran before the first forward of the root sharded module "
+                f"{type(outer.modules[0]).__name__}; run the root module's forward first "
+                "(it sets up the whole tree), then submodules may run on their own"
+            )
+        states: list[ShardState] = []
+        for top in self.modules:
+            for module in top.modules():
+                state = get_state(module)
+                if state is not None and state not in states:
+                    states.append(state)
+        on_meta = [
+            p.fqn for s in states for p in s.unit.params if p.padded_shard.device.type == "meta"
+        ]
+        if on_meta:
+            raise RuntimeError(
+                "fully_shard: parameters are still on the meta device: "
+                f"{', '.join(on_meta)}; call module.to_empty(device=...) and initialize them "
+                "before the first forward"
+            )
+        for state in states:
+            state.root = self
+        self.all_states = states
+        self._name_units()
+
+    def _name_units(self) -> None:
+        """Label every unit and parameter by its qualified name in the root module."""
+        for top_index, top in enumerate(self.modules):
+            top_prefix = f"{top_index}." if len(self.modules) > 1 else ""
+            for name, module in top.named_modules():
+                state = get_state(module)
+                if state is None or state is self or module is not state.modules[0]:
+                    continue
+                prefix = f"{top_prefix}{name}"
+                state.unit.label = prefix
+                for p in state.unit.params:
+                    if not p.fqn.startswith(prefix + "."):
+                        p.fqn = f"{prefix}.{p.fqn}"
+
+    # ------------------------------------------------------------------ forward
+
+    def _pre_forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.pre_forward(module, args, kwargs)
+
+    def pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Gather the unit, start explicit prefetches, cast inputs."""
+        if self.root is None:
+            self._lazy_init()
+        root = self.root
+        assert root is not None
+        if self is root and self.unit.training_state is TrainingState.IDLE:
+            root.post_forward_order.clear()
+        self.unit.training_state = TrainingState.FORWARD
+        self.unit.unshard()
+        for target in self.forward_prefetch or ():
+            target.unit.unshard(async_op=True)
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            dtype = self.mp_policy.param_dtype
+            args, kwargs = map_tensors(lambda t: _cast_floating(t, dtype), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward_hook(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        return self.post_forward(module, output)
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        """Free the unit unless kept, record the order, hook the outputs for backward."""
+        root = self.root
+        assert root is not None
+        grad_enabled = torch.is_grad_enabled()
+        self._forwards_done.add(id(module))
+        if len(self._forwards_done) >= len(self.modules):
+            self._forwards_done.clear()
+            # See [Note: the root]: it keeps its parameters for backward, not for eval.
+            if self.reshard_after_forward and not (self.is_root and grad_enabled):
+                self.unit.reshard()
+        if self not in root.post_forward_order:
+            root.post_forward_order.append(self)
+        if grad_enabled:
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
+        if self.mp_policy.output_dtype is not None:
+            dtype = self.mp_policy.output_dtype
+            output = map_tensors(lambda t: _cast_floating(t, dtype), output)
+        self.unit.training_state = TrainingState.IDLE
+        return output
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.pre_backward()
+
+    def pre_backward(self) -> None:
+        """Gather the unit for its backward and prefetch the next one."""
+        root = self.root
+        assert root is not None
+        if not root._final_callback_queued:
+            root._final_callback_queued = True
+            Variable._execution_engine.queue_callback(root._end_of_backward)
+        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.unit.training_state = TrainingState.PRE_BACKWARD
+        self.unit.unshard()
+        for target in self._backward_prefetch_targets():
+            if target.unit.sharded_state is ShardedState.SHARDED:
+                target.unit.unshard(async_op=True)
+
+    def _backward_prefetch_targets(self) -> list[ShardState]:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        root = self.root
+        assert root is not None
+        order = root.post_forward_order
+        if self not in order:
+            return []
+        index = order.index(self)
+        return [order[index - 1]] if index > 0 else []
+
+    def _on_all_grads_ready(self, unit: Unit) -> None:
+        self._post_backward()
+
+    def _post_backward(self) -> None:
+        unit = self.unit
+        if unit.training_state is TrainingState.POST_BACKWARD:
+            return
+        root = self.root
+        assert root is not None
+        if unit.requires_gradient_sync:
+            root._queue_reduce(unit.reduce_grads())
+        if unit.reshard_after_backward:
+            unit.reshard()
+        unit.training_state = TrainingState.POST_BACKWARD
+
+    def _queue_reduce(self, pending: PendingReduce | None) -> None:
+        # One reduction in flight at a time bounds the memory held by reduce buffers.
+        if self._pending_reduce is not None:
+            self._pending_reduce.finish()
+        self._pending_reduce = pending
+
+    def _end_of_backward(self) -> None:
+        for state in self.all_states:
+            unit = state.unit
+            if unit.training_state is not TrainingState.POST_BACKWARD and (
+                unit.sharded_state is ShardedState.UNSHARDED or unit.has_unsharded_grads()
+            ):
+                state._post_backward()
+            elif unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward:
+                unit.reshard()
+        self._queue_reduce(None)
+        for state in self.all_states:
+            state.unit.reset_backward()
+            state.unit.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
+        _log.debug("shard: end of backward for %d units", len(self.all_states))
+
+    # ------------------------------------------------------------------ state dict
+
+    def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.unit.sharded_state is ShardedState.UNSHARDED:
+            self.unit.reshard()
+
+
+def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if torch.is_floating_point(tensor) and tensor.dtype != dtype:
+        return tensor.to(dtype)
+    return tensor
