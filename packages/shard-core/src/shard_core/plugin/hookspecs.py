@@ -3,11 +3,19 @@
 Every hook a plugin may implement is declared here, once, typed and
 documented; nothing else in the project defines a hook. Built-in
 implementations register through these same hooks.
+
+Shard code never calls ``pm.hook.<name>``: :class:`shard_core.plugin.Registry`
+calls each plugin's implementation on its own, so that an implementation
+that raises or answers something malformed is skipped with a
+``PluginWarning`` naming its distribution. Hook wrappers
+(``wrapper=True``/``hookwrapper=True``) are therefore not supported on these
+hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+
 import pluggy
 
 from shard_core.protocols import CommHook, DeviceHandle, WrapPolicy
@@ -56,7 +64,8 @@ def shard_device_handle(device_type: str) -> DeviceHandle | None:
 
     Return ``None`` for device types this plugin does not serve. The first
     non-``None`` answer wins; third-party plugins are asked before the
-    built-in CPU handle.
+    built-in CPU handle. An answer that is not a ``DeviceHandle`` whose
+    ``device_type`` is the one asked for is skipped with a warning, and the
+    next plugin is asked.
     """
     raise NotImplementedError
-

@@ -1,0 +1,105 @@
+"""The wrap policies built into shard-core.
+
+Two ways of saying which modules become units cover most models: by class
+(every transformer block) and by a function of the module. They are what
+PyTorch offers under the same names, so a model's policy carries over with
+its import line; the registry also offers them by name (``"module_class"``,
+``"lambda"``) through the same hook third-party policies use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from shard_core._wrap_plan import WrapPlanError
+from shard_core.protocols import WrapDecision
+
+__all__ = ["CustomPolicy", "LambdaWrapPolicy", "ModuleWrapPolicy"]
+
+ModuleClasses = type[nn.Module] | Iterable[type[nn.Module]]
+
+
+class ModuleWrapPolicy:
+    """A module becomes a unit when it is an instance of one of ``module_classes``.
+
+    ``module_classes`` is a module class or an iterable of them (subclasses
+    match too, as with ``isinstance``). Registered as ``"module_class"``
+    (option ``module_classes=``).
+    """
+
+    __slots__ = ("_module_classes",)
+
+    def __init__(self, module_classes: ModuleClasses) -> None:
+        classes = (module_classes,) if isinstance(module_classes, type) else tuple(module_classes)
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                raise WrapPlanError(
+                    f"ModuleWrapPolicy: module_classes must hold nn.Module subclasses, "
+                    f"got {cls!r} ({type(cls).__name__}); pass the class itself, "
+                    f"e.g. module_classes={{TransformerBlock}}"
+                )
+        self._module_classes = tuple(dict.fromkeys(classes))
+
+    @property
+    def module_classes(self) -> tuple[type[nn.Module], ...]:
+        """The classes whose instances become units, without duplicates, in the order given."""
+        return self._module_classes
+
+    def descend(self, module: nn.Module, name: str) -> bool:
+        return True
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
+        return isinstance(module, self._module_classes)
+
+    def __repr__(self) -> str:
+        names = ", ".join(cls.__name__ for cls in self._module_classes)
+        return f"ModuleWrapPolicy({{{names}}})"
+
+
+class LambdaWrapPolicy:
+    """A module becomes a unit when ``fn(module)`` says so.
+
+    ``fn`` answers ``True``/``False``, or a mapping of keyword overrides for
+    that unit (``{"reshard_after_forward": False}``); an empty mapping means
+    "not a unit", as in PyTorch's ``CustomPolicy``. Registered as
+    ``"lambda"`` (option ``fn=``).
+    """
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[nn.Module], bool | Mapping[str, Any]]) -> None:
+        if not callable(fn):
+            raise WrapPlanError(
+                f"{type(self).__name__}: expected a callable taking a module, "
+                f"got {fn!r} ({type(fn).__name__})"
+            )
+        self._fn = fn
+
+    def descend(self, module: nn.Module, name: str) -> bool:
+        return True
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
+        decision = self._fn(module)
+        if isinstance(decision, Mapping) and not decision:
+            return False
+        # Anything else is checked by the walker, which names the module.
+        return decision
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._fn!r})"
+
+
+class CustomPolicy(LambdaWrapPolicy):
+    """PyTorch's ``CustomPolicy``: ``lambda_fn(module)`` answers a bool or per-unit overrides.
+
+    The same policy as :class:`LambdaWrapPolicy`, under PyTorch's name and
+    argument name, so ``CustomPolicy(lambda_fn)`` carries over unchanged.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | Mapping[str, Any]]) -> None:
+        super().__init__(lambda_fn)

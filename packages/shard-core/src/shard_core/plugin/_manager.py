@@ -1,0 +1,303 @@
+"""Building shard's plugin manager: hook specifications, built-ins, then third-party plugins.
+
+Loading an entry point is where third-party code first runs inside shard, so
+this is where its failures are contained: a plugin that cannot be imported or
+registered becomes a :class:`PluginWarning` naming its distribution, never an
+error of the user's program. The environment switches that block, limit and
+trace plugins are read here too, once per manager.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import pluggy
+
+from shard_core._version import __version__
+from shard_core.plugin import _builtins, hookspecs
+from shard_core.plugin.hookspecs import PROJECT_NAME
+
+__all__ = [
+    "BUILTINS_NAME",
+    "ENV_DISABLE",
+    "ENV_LOAD",
+    "ENV_TRACE",
+    "PluginOrigin",
+    "PluginWarning",
+    "ShardPluginManager",
+    "describe_plugin",
+    "logger",
+    "make_plugin_manager",
+]
+
+ENV_DISABLE = "SHARD_DISABLE_PLUGINS"
+ENV_LOAD = "SHARD_LOAD_PLUGINS"
+ENV_TRACE = "SHARD_TRACE_PLUGINS"
+
+BUILTINS_NAME = "builtins"
+"""The name shard-core's own plugin is registered under."""
+
+logger = logging.getLogger("shard.plugin")
+
+# [Note: plugin switches]
+# SHARD_DISABLE_PLUGINS: "1" or "all" blocks every third-party plugin; a comma
+# list blocks those entry-point (or distribution) names. "" and "0" block none.
+# SHARD_LOAD_PLUGINS: when set, only the listed third-party plugins load; set
+# to "" it loads none (as LLM_LOAD_PLUGINS does). A name in both lists is
+# blocked. Built-ins are never blocked or limited.
+# SHARD_TRACE_PLUGINS: "1" (or true/yes/on) logs every plugin loaded or
+# skipped and every hook call with its result, at DEBUG level on the
+# "shard.plugin" logger (which then prints to stderr unless logging is set up).
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped: it failed to load, or its hook raised or returned a malformed value."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginOrigin:
+    """Where a third-party plugin comes from.
+
+    Attributes:
+        entry_point: Its entry-point name in group ``shard`` (also its plugin name).
+        distribution: The installed distribution that declares it, or ``None``
+            when the entry point has none.
+        version: That distribution's version, or ``None``.
+    """
+
+    entry_point: str
+    distribution: str | None
+    version: str | None
+
+    def describe(self) -> str:
+        """How messages name it: ``"shard-wrap-example 0.1.0 (plugin 'wrap-example')"``.
+
+        Without a distribution: ``"plugin 'wrap-example'"``.
+        """
+        if self.distribution is None:
+            return f"plugin {self.entry_point!r}"
+        return f"{self.distribution} {self.version} (plugin {self.entry_point!r})"
+
+
+class ShardPluginManager(pluggy.PluginManager):
+    """A pluggy manager that remembers where each third-party plugin came from.
+
+    The registry uses that to name distributions in warnings and errors, and
+    to say why a plugin it would need was not loaded.
+    """
+
+    def __init__(self, *, trace_calls: bool = False) -> None:
+        super().__init__(PROJECT_NAME)
+        self.trace_calls = trace_calls
+        self._origins: dict[str, PluginOrigin] = {}
+        self._not_loaded: list[tuple[PluginOrigin, str]] = []
+
+    def origin(self, name: str) -> PluginOrigin | None:
+        """Where the plugin registered as ``name`` came from (``None``: not an entry point)."""
+        return self._origins.get(name)
+
+    def not_loaded(self) -> list[tuple[PluginOrigin, str]]:
+        """Entry points that were found but not registered, each with the reason."""
+        return list(self._not_loaded)
+
+    def note_loaded(self, origin: PluginOrigin) -> None:
+        """Record that the plugin registered as ``origin.entry_point`` came from ``origin``."""
+        self._origins[origin.entry_point] = origin
+
+    def note_not_loaded(self, origin: PluginOrigin, reason: str) -> None:
+        """Record an entry point that was found but not registered, and why."""
+        self._not_loaded.append((origin, reason))
+
+
+def describe_plugin(pm: pluggy.PluginManager, name: str) -> str:
+    """How messages name the plugin registered as ``name``: its distribution when it has one."""
+    if pm.get_plugin(name) is _builtins:
+        return f"shard-core {__version__} (built-in)"
+    origin = pm.origin(name) if isinstance(pm, ShardPluginManager) else None
+    return origin.describe() if origin is not None else f"plugin {name!r}"
+
+
+def make_plugin_manager(
+    *, load_entry_points: bool = True, environ: Mapping[str, str] | None = None
+) -> pluggy.PluginManager:
+    """Build a new plugin manager: hook specifications, the built-ins, then entry points.
+
+    ``load_entry_points=False`` gives the in-memory manager unit tests
+    register their plugins on (``pm.register(obj, name=...)``).
+    ``environ`` (default ``os.environ``) supplies the switches described in
+    the package README; they are read now, once.
+    """
+    env = os.environ if environ is None else environ
+    trace = env.get(ENV_TRACE, "").strip().lower() in {"1", "true", "yes", "on"}
+    if trace:
+        _enable_trace_output()
+    pm = ShardPluginManager(trace_calls=trace)
+    pm.add_hookspecs(hookspecs)
+    pm.register(_builtins, name=BUILTINS_NAME)
+    if trace:
+        logger.debug("registered %s", describe_plugin(pm, BUILTINS_NAME))
+    if load_entry_points:
+        _load_entry_points(pm, env)
+    return pm
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+class _Distribution(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> str: ...
+
+
+class _EntryPoint(Protocol):
+    """What the loader uses of an ``importlib.metadata.EntryPoint``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dist(self) -> _Distribution | None: ...
+
+    def load(self) -> Any: ...
+
+
+def _entry_points() -> Iterable[_EntryPoint]:
+    """The entry points of group ``shard`` in this environment (a seam for tests)."""
+    return importlib.metadata.entry_points(group=PROJECT_NAME)
+
+
+def _normalize(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+@dataclass(frozen=True, slots=True)
+class _Selection:
+    """Which third-party plugins the environment lets load. See [Note: plugin switches]."""
+
+    block_all: bool
+    blocked: frozenset[str]
+    only: frozenset[str] | None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> _Selection:
+        disable = env.get(ENV_DISABLE, "").strip()
+        block_all = disable.lower() in {"1", "all"}
+        blocked = frozenset() if block_all or disable == "0" else _names(disable)
+        load = env.get(ENV_LOAD)
+        return cls(block_all, blocked, None if load is None else _names(load))
+
+    def reason_to_skip(self, origin: PluginOrigin) -> str | None:
+        if self.block_all:
+            return f"{ENV_DISABLE} blocks all plugins"
+        if any(_matches(name, origin) for name in self.blocked):
+            return f"blocked by {ENV_DISABLE}"
+        if self.only is not None and not any(_matches(name, origin) for name in self.only):
+            return f"not listed in {ENV_LOAD}"
+        return None
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in value.split(",")) - {""}
+
+
+def _matches(name: str, origin: PluginOrigin) -> bool:
+    """Whether a name from a switch means this plugin: its entry-point or distribution name."""
+    if name == origin.entry_point:
+        return True
+    return origin.distribution is not None and _normalize(name) == _normalize(origin.distribution)
+
+
+def _origin_of(entry_point: _EntryPoint) -> PluginOrigin:
+    dist = entry_point.dist
+    if dist is None:
+        return PluginOrigin(entry_point.name, None, None)
+    return PluginOrigin(entry_point.name, dist.name, dist.version)
+
+
+def _load_entry_points(pm: ShardPluginManager, env: Mapping[str, str]) -> None:
+    selection = _Selection.from_environ(env)
+    found: list[PluginOrigin] = []
+    for entry_point in sorted(_entry_points(), key=lambda ep: ep.name):
+        origin = _origin_of(entry_point)
+        found.append(origin)
+        reason = selection.reason_to_skip(origin)
+        if reason is None:
+            reason = _load_one(pm, entry_point, origin)
+        if reason is not None:
+            pm.note_not_loaded(origin, reason)
+            if pm.trace_calls:
+                logger.debug("did not load %s: %s", origin.describe(), reason)
+    for name in sorted(selection.only or ()):
+        if not any(_matches(name, origin) for origin in found):
+            installed = ", ".join(sorted(o.describe() for o in found)) or "none"
+            _warn(
+                f"{ENV_LOAD} names {name!r}, but no installed shard plugin has that entry-point "
+                f"or distribution name; installed: {installed}"
+            )
+
+
+def _load_one(pm: ShardPluginManager, entry_point: _EntryPoint, origin: PluginOrigin) -> str | None:
+    """Import and register one entry point; the reason it was skipped, or ``None``."""
+    who = origin.describe()
+    try:
+        plugin = entry_point.load()
+    except Exception as exc:
+        reason = f"failed to load: {type(exc).__name__}: {exc}"
+        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
+        return reason
+    try:
+        pm.register(plugin, name=origin.entry_point)
+    except Exception as exc:  # pluggy: name taken, object registered twice, bad hook signature
+        reason = f"could not be registered: {type(exc).__name__}: {exc}"
+        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
+        return reason
+    unknown = sorted(
+        caller.name
+        for caller in pm.get_hookcallers(plugin) or ()
+        if not caller.has_spec()
+        and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls())
+    )
+    if unknown:
+        pm.unregister(plugin)
+        known = ", ".join(sorted(n for n in hookspecs.__all__ if n.startswith("shard_")))
+        reason = f"implements hooks shard does not define: {', '.join(unknown)} (known: {known})"
+        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
+        return reason
+    pm.note_loaded(origin)
+    if pm.trace_calls:
+        logger.debug("loaded %s", who)
+    return None
+
+
+def _fix(origin: PluginOrigin) -> str:
+    owner = origin.distribution or "the plugin"
+    return (
+        f"Fix or uninstall {owner}, or block it with {ENV_DISABLE}={origin.entry_point} "
+        f"to silence this warning."
+    )
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, PluginWarning, stacklevel=3)
+
+
+def _enable_trace_output() -> None:
+    """Make DEBUG records of the ``shard.plugin`` logger visible, without overriding user config."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.DEBUG)
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
