@@ -1,5 +1,93 @@
-"""Meshes, process groups, collectives, comm hooks and device handles of shard."""
+"""Meshes, process groups, collectives, comm hooks and device handles of shard.
 
+The runtime calls these on every step: :func:`all_gather` and
+:func:`reduce_scatter` over flat buffers (several tensors in one call with the
+``_many`` forms), :func:`all_reduce` across replicas, counted by
+:func:`count_collectives`. A training script calls :func:`init_distributed`
+once and :func:`build_mesh` to describe its data-parallel layout.
+"""
+
+from shard_comms._buffers import BufferCacheInfo, buffer_cache_info, clear_buffer_cache
+from shard_comms._collectives import (
+    CommHandle,
+    ReduceAlgorithm,
+    ReduceOpName,
+    all_gather,
+    all_gather_many,
+    all_reduce,
+    broadcast,
+    default_divide_factors,
+    reduce_scatter,
+    reduce_scatter_many,
+    resolve_divide_factors,
+)
+from shard_comms._counters import (
+    COLLECTIVE_KINDS,
+    CollectiveKind,
+    CollectiveStats,
+    CommCounts,
+    comm_counters,
+    count_collectives,
+    reset_comm_counters,
+)
+from shard_comms._device import clear_device_handle_cache, get_device_handle
+from shard_comms._errors import DistributedInitError, MeshError
+from shard_comms._hooks import (
+    DefaultGradReducer,
+    default_comm_hook,
+    reduce_gradient,
+    resolve_comm_hook,
+)
+from shard_comms._init import (
+    DistributedState,
+    InitPlan,
+    LaunchEnv,
+    choose_backend,
+    init_distributed,
+    parse_launch_env,
+    plan_init,
+)
+from shard_comms._mesh import build_mesh, mesh_groups
 from shard_comms._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "BufferCacheInfo",
+    "COLLECTIVE_KINDS",
+    "CollectiveKind",
+    "CollectiveStats",
+    "CommCounts",
+    "CommHandle",
+    "DefaultGradReducer",
+    "DistributedInitError",
+    "DistributedState",
+    "InitPlan",
+    "LaunchEnv",
+    "MeshError",
+    "ReduceAlgorithm",
+    "ReduceOpName",
+    "__version__",
+    "all_gather",
+    "all_gather_many",
+    "all_reduce",
+    "broadcast",
+    "buffer_cache_info",
+    "build_mesh",
+    "choose_backend",
+    "clear_buffer_cache",
+    "clear_device_handle_cache",
+    "comm_counters",
+    "count_collectives",
+    "default_comm_hook",
+    "default_divide_factors",
+    "get_device_handle",
+    "init_distributed",
+    "mesh_groups",
+    "parse_launch_env",
+    "plan_init",
+    "reduce_gradient",
+    "reduce_scatter",
+    "reduce_scatter_many",
+    "reset_comm_counters",
+    "resolve_comm_hook",
+    "resolve_divide_factors",
+]

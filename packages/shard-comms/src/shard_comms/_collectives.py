@@ -1,0 +1,665 @@
+"""The collectives the runtime issues on every step, over flat buffers.
+
+Each function is a thin layer over one ``torch.distributed`` call: it checks
+sizes, stages through a cached buffer only where a dtype cast or a copy-in of
+several tensors needs one, applies the divide factors, counts the call, and
+opens a profiler range. Nothing here re-implements a collective.
+
+[Note: Reduce-scatter on gloo]
+Measured with ``tools/bench/bench_comms.py`` (gloo, 2 ranks, 1-64 MiB),
+``reduce_scatter_single`` is slower than an ``all_reduce`` of the same
+buffer: gloo has no native reduce-scatter and emulates it. So on CPU
+tensors (gloo) a reduce-scatter runs as an in-place all-reduce of the full
+buffer followed by a copy of the rank's slice; on every other device (NCCL)
+it is ``reduce_scatter_single``. ``algorithm=`` overrides the choice.
+
+[Note: All-gather on gloo]
+gloo's ``all_gather_single`` slows down more than linearly above 16 MiB of
+output (2 ranks: about 15 ms at 16 MiB, 130-180 ms at 64 MiB, where an
+all-reduce of 64 MiB takes 55 ms). So on CPU tensors an all-gather whose
+output exceeds 16 MiB runs as several ``all_gather`` calls of at most 16 MiB
+of output each, every rank's piece landing directly in its row of the
+output (no staging); that halves the time at 64 MiB. It still counts as one
+all-gather. Other backends gather in one call.
+
+[Note: Divide factors]
+Averaging over N ranks divides by N. Dividing only at the end lets a sum in
+fp16 overflow; dividing only at the start lets small values underflow. So
+the gradient is divided by ``pre`` before the collective and the result by
+``post`` after, with ``pre * post == N``. By default ``pre`` is the largest
+power of two that divides N and is at most sqrt(N) (N=2: 1 and 2; N=4: 2 and
+2; N=8: 2 and 4; N=6: 2 and 3); powers of two divide exactly. Both divisions
+happen in the reduce dtype.
+
+[Note: Profiler ranges]
+Every collective runs inside a profiler range ``shard::<kind> (<label>)``, but
+only while a profiler is recording: an open ``record_function`` around a gloo
+collective measured 50-100 us per call at 1 MiB (``tools/bench``), 10% of
+the collective, for a range nobody reads.
+
+[Note: Gradients are scratch]
+``reduce_scatter`` divides and reduces the gradient it is given in place when
+it is already in the reduce dtype and contiguous, so its contents are
+unspecified afterwards (the runtime frees it anyway). That saves a full-size
+copy per unit per step. ``reduce_scatter_many`` copies its gradients into a
+staging buffer and leaves them alone, but callers should not rely on that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch._C._autograd import _profiler_enabled
+from torch.distributed import ProcessGroup
+from torch.profiler import record_function
+
+from shard_comms._buffers import buffer_cache
+from shard_comms._counters import CollectiveKind, record_collective
+
+__all__ = [
+    "CommHandle",
+    "ReduceAlgorithm",
+    "ReduceOpName",
+    "all_gather",
+    "all_gather_many",
+    "all_reduce",
+    "broadcast",
+    "default_divide_factors",
+    "reduce_scatter",
+    "reduce_scatter_many",
+    "resolve_divide_factors",
+]
+
+ReduceOpName = Literal["sum", "avg"]
+ReduceAlgorithm = Literal["auto", "reduce_scatter", "all_reduce"]
+
+# Device types whose backend reduce-scatters faster as an all-reduce.
+# See [Note: Reduce-scatter on gloo]
+_ALL_REDUCE_SCATTER_DEVICES = frozenset({"cpu"})
+# Device types whose backend gathers large buffers faster in chunks, and the
+# largest gathered chunk. See [Note: All-gather on gloo]
+_CHUNKED_GATHER_DEVICES = frozenset({"cpu"})
+_GATHER_CHUNK_BYTES = 16 << 20
+
+
+class CommHandle:
+    """An issued collective; :meth:`wait` finishes it.
+
+    Returned by every collective here. A synchronous call returns a handle
+    that is already done. ``wait`` blocks until the communication completed,
+    then copies results out and divides by the post-divide factor; it is
+    idempotent.
+    """
+
+    __slots__ = ("_finish", "_work")
+
+    def __init__(
+        self, work: dist.Work | list[dist.Work] | None, finish: Callable[[], None] | None
+    ) -> None:
+        self._work = work
+        self._finish = finish
+
+    def wait(self) -> None:
+        """Block until the result is in its output tensor."""
+        work, self._work = self._work, None
+        if isinstance(work, list):
+            for piece in work:
+                piece.wait()
+        elif work is not None:
+            work.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` would return without waiting on communication."""
+        work = self._work
+        if isinstance(work, list):
+            return all(piece.is_completed() for piece in work)
+        return work is None or bool(work.is_completed())
+
+    def __repr__(self) -> str:
+        state = "done" if self._work is None and self._finish is None else "pending"
+        return f"CommHandle({state})"
+
+
+_DONE = CommHandle(None, None)
+_NO_RANGE: AbstractContextManager[object] = nullcontext()
+
+
+def default_divide_factors(world_size: int) -> tuple[float, float]:
+    """The default ``(pre, post)`` divide factors for averaging over ``world_size`` ranks.
+
+    See [Note: Divide factors]. ``pre * post == world_size``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    pre = 1
+    while world_size % (pre * 2) == 0 and (pre * 2) ** 2 <= world_size:
+        pre *= 2
+    return float(pre), world_size / pre
+
+
+def resolve_divide_factors(
+    op: ReduceOpName, world_size: int, pre_divide: float | None, post_divide: float | None
+) -> tuple[float, float]:
+    """The ``(pre, post)`` factors a reduction over ``world_size`` ranks applies.
+
+    ``"sum"``: the factors given (1 where ``None``), so a caller can scale a
+    sum. ``"avg"``: the defaults of :func:`default_divide_factors` when both
+    are ``None``; one given fixes the other (their product is
+    ``world_size``); both given must multiply to ``world_size``.
+    """
+    for name, value in (("pre_divide", pre_divide), ("post_divide", post_divide)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value}")
+    if op == "sum":
+        return (
+            1.0 if pre_divide is None else float(pre_divide),
+            1.0 if post_divide is None else float(post_divide),
+        )
+    if op != "avg":
+        raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'avg'")
+    if pre_divide is None and post_divide is None:
+        return default_divide_factors(world_size)
+    if pre_divide is None:
+        assert post_divide is not None
+        return world_size / post_divide, float(post_divide)
+    if post_divide is None:
+        return float(pre_divide), world_size / pre_divide
+    if not math.isclose(pre_divide * post_divide, world_size):
+        raise ValueError(
+            f"op='avg' over {world_size} ranks needs pre_divide * post_divide == {world_size}, "
+            f"got {pre_divide} * {post_divide}; pass one of them, or use op='sum' to scale freely"
+        )
+    return float(pre_divide), float(post_divide)
+
+
+def _size_rank(group: ProcessGroup | None, caller: str) -> tuple[int, int]:
+    if group is not None:
+        return group.size(), group.rank()
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{caller}: torch.distributed is not initialised and no group was given; "
+            "call shard_comms.init_distributed() first"
+        )
+    return dist.get_world_size(), dist.get_rank()
+
+
+def _profiler_range(kind: CollectiveKind, label: str | None) -> AbstractContextManager[object]:
+    # See [Note: Profiler ranges]
+    if not _profiler_enabled():
+        return _NO_RANGE
+    return record_function(f"shard::{kind}" if label is None else f"shard::{kind} ({label})")
+
+
+def _check_contiguous(tensor: torch.Tensor, caller: str, what: str) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{caller}: {what} must be contiguous (it is written in place); "
+            "pass a contiguous tensor, e.g. a view of a flat buffer"
+        )
+
+
+def _gather(
+    output: torch.Tensor,
+    source: torch.Tensor,
+    size: int,
+    group: ProcessGroup | None,
+    async_op: bool,
+) -> dist.Work | list[dist.Work] | None:
+    """All-gather ``source`` into the flat ``output``. See [Note: All-gather on gloo]."""
+    nbytes = output.numel() * output.element_size()
+    if output.device.type not in _CHUNKED_GATHER_DEVICES or nbytes <= _GATHER_CHUNK_BYTES:
+        single: dist.Work | None = dist.all_gather_single(
+            output, source, group=group, async_op=async_op
+        )
+        return single
+    numel = source.numel()
+    rows = output.view(size, numel)
+    step = max(1, _GATHER_CHUNK_BYTES // (size * output.element_size()))
+    works: list[dist.Work] = []
+    for start in range(0, numel, step):
+        stop = min(start + step, numel)
+        pieces = [rows[rank, start:stop] for rank in range(size)]
+        work = dist.all_gather(pieces, source[start:stop], group=group, async_op=async_op)
+        if work is not None:
+            works.append(work)
+    return works if async_op else None
+
+
+def _finish_now(finish: Callable[[], None]) -> CommHandle:
+    finish()
+    return _DONE
+
+
+# ---------------------------------------------------------------------------
+# All-gather
+# ---------------------------------------------------------------------------
+
+
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Gather every rank's ``shard`` into the preallocated flat ``output``, in rank order.
+
+    ``output`` is contiguous with ``group size * shard.numel()`` elements; a
+    shard in another dtype is cast on the way in. With ``async_op`` the
+    result is in ``output`` after the handle's ``wait()``.
+    """
+    size, _ = _size_rank(group, "all_gather")
+    numel = shard.numel()
+    if output.numel() != numel * size:
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements but {size} ranks each "
+            f"contributing a shard of {numel} need {numel * size}; size the output as "
+            "world size * shard elements"
+        )
+    _check_contiguous(output, "all_gather", "output")
+    flat_out = output.view(-1)
+    if size == 1:
+        if flat_out.data_ptr() != shard.data_ptr() or flat_out.dtype != shard.dtype:
+            flat_out.view(shard.shape).copy_(shard)
+        return _DONE
+    cache = buffer_cache()
+    staged: torch.Tensor | None = None
+    if shard.dtype != output.dtype or not shard.is_contiguous():
+        staged = cache.acquire(numel, output.dtype, output.device)
+        source = staged[:numel]
+        source.view(shard.shape).copy_(shard)
+    else:
+        source = shard.view(-1)
+    with _profiler_range("all_gather", label):
+        record_collective("all_gather", flat_out.numel() * flat_out.element_size(), label, size)
+        work = _gather(flat_out, source, size, group, async_op)
+    if staged is None:
+        return CommHandle(work, None) if async_op else _DONE
+
+    def finish() -> None:
+        cache.release(staged)
+
+    return CommHandle(work, finish) if async_op else _finish_now(finish)
+
+
+def all_gather_many(
+    outputs: Sequence[torch.Tensor],
+    shards: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Gather several tensors of one unit in one all-gather.
+
+    ``shards[i]`` is this rank's shard of tensor ``i`` (shards may differ in
+    size from tensor to tensor, but each has the same size on every rank);
+    ``outputs[i]`` is contiguous with ``group size * shards[i].numel()``
+    elements and receives the rank-ordered concatenation of tensor ``i``'s
+    shards. The shards are copied into one cached flat buffer, gathered in one
+    call, and copied out.
+    """
+    if len(outputs) != len(shards):
+        raise ValueError(
+            f"all_gather_many: {len(outputs)} outputs for {len(shards)} shards; "
+            "pass one output per shard"
+        )
+    if len(shards) == 1:
+        return all_gather(outputs[0], shards[0], group, async_op=async_op, label=label)
+    size, _ = _size_rank(group, "all_gather_many")
+    sizes = [shard.numel() for shard in shards]
+    for index, (output, numel) in enumerate(zip(outputs, sizes, strict=True)):
+        if output.numel() != numel * size:
+            raise ValueError(
+                f"all_gather_many: outputs[{index}] has {output.numel()} elements but the "
+                f"shards[{index}] of {size} ranks make {numel * size}; size each output as "
+                "world size * its shard's elements"
+            )
+        _check_contiguous(output, "all_gather_many", f"outputs[{index}]")
+    if size == 1:
+        for output, shard in zip(outputs, shards, strict=True):
+            output.view(shard.shape).copy_(shard)
+        return _DONE
+    if not shards:
+        return _DONE
+    dtype, device = outputs[0].dtype, outputs[0].device
+    total = sum(sizes)
+    cache = buffer_cache()
+    in_base = cache.acquire(total, dtype, device)
+    out_base = cache.acquire(total * size, dtype, device)
+    flat_in = in_base[:total]
+    flat_out = out_base[: total * size]
+    torch.cat([shard.reshape(-1) for shard in shards], out=flat_in)
+    with _profiler_range("all_gather", label):
+        record_collective("all_gather", flat_out.numel() * flat_out.element_size(), label, size)
+        work = _gather(flat_out, flat_in, size, group, async_op)
+
+    def finish() -> None:
+        rows = flat_out.view(size, total)
+        if all(output.dtype == dtype for output in outputs):
+            torch.split_with_sizes_copy(
+                rows,
+                sizes,
+                dim=1,
+                out=[output.view(size, n) for output, n in zip(outputs, sizes, strict=True)],
+            )
+        else:
+            pieces = torch.split_with_sizes(rows, sizes, dim=1)
+            for output, n, piece in zip(outputs, sizes, pieces, strict=True):
+                output.view(size, n).copy_(piece)
+        cache.release(in_base)
+        cache.release(out_base)
+
+    return CommHandle(work, finish) if async_op else _finish_now(finish)
+
+
+# ---------------------------------------------------------------------------
+# Reduce-scatter
+# ---------------------------------------------------------------------------
+
+
+def _use_all_reduce(algorithm: ReduceAlgorithm, device: torch.device) -> bool:
+    if algorithm == "auto":
+        return device.type in _ALL_REDUCE_SCATTER_DEVICES
+    if algorithm == "all_reduce":
+        return True
+    if algorithm == "reduce_scatter":
+        return False
+    raise ValueError(
+        f"unknown reduce-scatter algorithm {algorithm!r}; use 'auto', 'reduce_scatter' "
+        "or 'all_reduce'"
+    )
+
+
+def _reduce_locally(
+    output: torch.Tensor, grad: torch.Tensor, reduce_dtype: torch.dtype, pre: float, post: float
+) -> None:
+    """A world of one: the same casts and divisions, no communication."""
+    if output.dtype == reduce_dtype:
+        work = output.view(grad.shape)
+        work.copy_(grad)
+    else:
+        base = buffer_cache().acquire(grad.numel(), reduce_dtype, grad.device)
+        work = base[: grad.numel()].view(grad.shape)
+        work.copy_(grad)
+    if pre != 1.0:
+        work.div_(pre)
+    if post != 1.0:
+        work.div_(post)
+    if output.dtype != reduce_dtype:
+        output.view(grad.shape).copy_(work)
+        buffer_cache().release(base)
+
+
+def _copy_out_pieces(
+    source: torch.Tensor, outputs: Sequence[torch.Tensor], sizes: list[int]
+) -> None:
+    if all(output.dtype == source.dtype for output in outputs):
+        torch.split_with_sizes_copy(source, sizes, out=[output.view(-1) for output in outputs])
+    else:
+        for output, piece in zip(outputs, torch.split_with_sizes(source, sizes), strict=True):
+            output.view(-1).copy_(piece)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    grad: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    op: ReduceOpName = "sum",
+    reduce_dtype: torch.dtype | None = None,
+    pre_divide: float | None = None,
+    post_divide: float | None = None,
+    algorithm: ReduceAlgorithm = "auto",
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Reduce the flat ``grad`` across ranks and leave this rank's slice in ``output``.
+
+        ``grad`` has ``group size * output.numel()`` elements; rank ``r`` receives
+        elements ``[r * n, (r + 1) * n)`` of the sum. The reduction runs in
+        ``reduce_dtype`` (the gradient's dtype when ``None``); ``output`` may be
+        in another dtype. ``op`` and the factors: see :func:`resolve_divide_factors`
+        and [Note: Divide factors]. ``grad`` is scratch afterwards (see
+        [Note: Profiler ranges]
+    Every collective runs inside a profiler range ``shard::<kind> (<label>)``, but
+    only while a profiler is recording: an open ``record_function`` around a gloo
+    collective measured 50-100 us per call at 1 MiB (``tools/bench``), 10% of
+    the collective, for a range nobody reads.
+
+    [Note: Gradients are scratch]); ``algorithm`` picks the implementation
+        (see [Note: Reduce-scatter on gloo]).
+    """
+    size, rank = _size_rank(group, "reduce_scatter")
+    n = output.numel()
+    if grad.numel() != n * size:
+        raise ValueError(
+            f"reduce_scatter: grad has {grad.numel()} elements but an output of {n} on "
+            f"{size} ranks needs {n * size}; pad the flat gradient to a multiple of the "
+            "world size and size the output as its 1/world-size slice"
+        )
+    _check_contiguous(output, "reduce_scatter", "output")
+    pre, post = resolve_divide_factors(op, size, pre_divide, post_divide)
+    rdt = grad.dtype if reduce_dtype is None else reduce_dtype
+    use_all_reduce = _use_all_reduce(algorithm, grad.device)
+    if size == 1:
+        _reduce_locally(output, grad, rdt, pre, post)
+        return _DONE
+    cache = buffer_cache()
+    in_base: torch.Tensor | None = None
+    if grad.dtype != rdt or not grad.is_contiguous():
+        in_base = cache.acquire(grad.numel(), rdt, grad.device)
+        source = in_base[: grad.numel()]
+        source.view(grad.shape).copy_(grad)
+    else:
+        source = grad.view(-1)
+    if pre != 1.0:
+        source.div_(pre)
+    flat_out = output.view(-1)
+    out_base: torch.Tensor | None = None
+    nbytes = source.numel() * source.element_size()
+    with _profiler_range("reduce_scatter", label):
+        record_collective("reduce_scatter", nbytes, label, size)
+        if use_all_reduce:
+            work = dist.all_reduce(source, group=group, async_op=async_op)
+            destination = source[rank * n : (rank + 1) * n]
+        else:
+            if output.dtype == rdt:
+                destination = flat_out
+            else:
+                out_base = cache.acquire(n, rdt, output.device)
+                destination = out_base[:n]
+            work = dist.reduce_scatter_single(destination, source, group=group, async_op=async_op)
+
+    def finish() -> None:
+        if destination.data_ptr() != flat_out.data_ptr():
+            if post != 1.0 and flat_out.dtype == rdt:
+                torch.div(destination, post, out=flat_out)
+            else:
+                if post != 1.0:
+                    destination.div_(post)
+                flat_out.copy_(destination)
+        elif post != 1.0:
+            flat_out.div_(post)
+        if in_base is not None:
+            cache.release(in_base)
+        if out_base is not None:
+            cache.release(out_base)
+
+    return CommHandle(work, finish) if async_op else _finish_now(finish)
+
+
+def reduce_scatter_many(
+    outputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    op: ReduceOpName = "sum",
+    reduce_dtype: torch.dtype | None = None,
+    pre_divide: float | None = None,
+    post_divide: float | None = None,
+    algorithm: ReduceAlgorithm = "auto",
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Reduce-scatter several gradients of one unit in one collective.
+
+    ``grads[i]`` has ``group size * outputs[i].numel()`` elements and is
+    split across ranks like :func:`reduce_scatter` splits one gradient;
+    ``outputs[i]`` receives this rank's slice of the reduced ``grads[i]``.
+    The gradients are copied (and cast to ``reduce_dtype``) rank-major into one
+    cached flat buffer, reduced in one call, and copied out. Arguments as in
+    :func:`reduce_scatter`; a single gradient goes straight to it.
+    """
+    if len(outputs) != len(grads):
+        raise ValueError(
+            f"reduce_scatter_many: {len(outputs)} outputs for {len(grads)} gradients; "
+            "pass one output per gradient"
+        )
+    if len(grads) == 1:
+        return reduce_scatter(
+            outputs[0],
+            grads[0],
+            group,
+            op=op,
+            reduce_dtype=reduce_dtype,
+            pre_divide=pre_divide,
+            post_divide=post_divide,
+            algorithm=algorithm,
+            async_op=async_op,
+            label=label,
+        )
+    size, rank = _size_rank(group, "reduce_scatter_many")
+    sizes = [output.numel() for output in outputs]
+    for index, (grad, n) in enumerate(zip(grads, sizes, strict=True)):
+        if grad.numel() != n * size:
+            raise ValueError(
+                f"reduce_scatter_many: grads[{index}] has {grad.numel()} elements but "
+                f"outputs[{index}] of {n} on {size} ranks needs {n * size}; pad each "
+                "gradient to a multiple of the world size"
+            )
+        _check_contiguous(outputs[index], "reduce_scatter_many", f"outputs[{index}]")
+    pre, post = resolve_divide_factors(op, size, pre_divide, post_divide)
+    if not grads:
+        return _DONE
+    rdt = grads[0].dtype if reduce_dtype is None else reduce_dtype
+    if size == 1:
+        for output, grad in zip(outputs, grads, strict=True):
+            _reduce_locally(output, grad, rdt, pre, post)
+        return _DONE
+    use_all_reduce = _use_all_reduce(algorithm, grads[0].device)
+    device = grads[0].device
+    total = sum(sizes)
+    cache = buffer_cache()
+    in_base = cache.acquire(total * size, rdt, device)
+    source = in_base[: total * size]
+    torch.cat(
+        [grad.reshape(size, n) for grad, n in zip(grads, sizes, strict=True)],
+        dim=1,
+        out=source.view(size, total),
+    )
+    if pre != 1.0:
+        source.div_(pre)
+    out_base: torch.Tensor | None = None
+    with _profiler_range("reduce_scatter", label):
+        record_collective("reduce_scatter", source.numel() * source.element_size(), label, size)
+        if use_all_reduce:
+            work = dist.all_reduce(source, group=group, async_op=async_op)
+            destination = source[rank * total : (rank + 1) * total]
+        else:
+            out_base = cache.acquire(total, rdt, device)
+            destination = out_base[:total]
+            work = dist.reduce_scatter_single(destination, source, group=group, async_op=async_op)
+
+    def finish() -> None:
+        if post != 1.0:
+            destination.div_(post)
+        _copy_out_pieces(destination, outputs, sizes)
+        cache.release(in_base)
+        if out_base is not None:
+            cache.release(out_base)
+
+    return CommHandle(work, finish) if async_op else _finish_now(finish)
+
+
+# ---------------------------------------------------------------------------
+# All-reduce and broadcast
+# ---------------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    op: ReduceOpName = "sum",
+    reduce_dtype: torch.dtype | None = None,
+    pre_divide: float | None = None,
+    post_divide: float | None = None,
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Reduce ``tensor`` across ranks in place (replicas of a hybrid mesh, unsharded units).
+
+    The reduction runs in ``reduce_dtype`` (the tensor's dtype when
+    ``None``); ``op`` and the factors as in :func:`reduce_scatter`.
+    """
+    size, _ = _size_rank(group, "all_reduce")
+    pre, post = resolve_divide_factors(op, size, pre_divide, post_divide)
+    rdt = tensor.dtype if reduce_dtype is None else reduce_dtype
+    cache = buffer_cache()
+    staged: torch.Tensor | None = None
+    if tensor.dtype != rdt or not tensor.is_contiguous():
+        staged = cache.acquire(tensor.numel(), rdt, tensor.device)
+        work_tensor = staged[: tensor.numel()]
+        work_tensor.view(tensor.shape).copy_(tensor)
+    else:
+        work_tensor = tensor.view(-1)
+    if pre != 1.0:
+        work_tensor.div_(pre)
+    work: dist.Work | None = None
+    if size > 1:
+        with _profiler_range("all_reduce", label):
+            nbytes = work_tensor.numel() * work_tensor.element_size()
+            record_collective("all_reduce", nbytes, label, size)
+            work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
+
+    def finish() -> None:
+        if post != 1.0:
+            work_tensor.div_(post)
+        if staged is not None:
+            tensor.copy_(work_tensor.view(tensor.shape))
+            cache.release(staged)
+
+    if staged is None and post == 1.0:
+        return CommHandle(work, None) if async_op and work is not None else _DONE
+    return CommHandle(work, finish) if async_op and work is not None else _finish_now(finish)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int = 0,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    label: str | None = None,
+) -> CommHandle:
+    """Copy ``tensor`` of the rank whose rank in ``group`` is ``src`` to every rank, in place."""
+    size, _ = _size_rank(group, "broadcast")
+    if not 0 <= src < size:
+        raise ValueError(f"broadcast: src={src} is not a rank of a group of size {size}")
+    if size == 1:
+        return _DONE
+    _check_contiguous(tensor, "broadcast", "tensor")
+    with _profiler_range("broadcast", label):
+        record_collective("broadcast", tensor.numel() * tensor.element_size(), label, size)
+        work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
+    return CommHandle(work, None) if async_op else _DONE

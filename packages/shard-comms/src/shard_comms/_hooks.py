@@ -1,0 +1,213 @@
+"""The default gradient reduction, and applying a comm hook in its place.
+
+A comm hook (protocol :class:`shard_core.protocols.CommHook`) replaces the
+reduction of one unit's gradient. It gets a
+:class:`~shard_core.protocols.GradReducer`, which performs the plain
+reduction in whatever dtype it is handed, so a hook can, say, compress to
+bf16, call the reducer, and decompress. :class:`DefaultGradReducer` is that
+reducer: a reduce-scatter over the shard group for sharded units, an
+all-reduce for unsharded ones, and for hybrid meshes an all-reduce of the
+result across the replicate group, with the unit's divide factors applied
+once over the whole data-parallel world. Hooks are selected by registered
+name (``"bf16_compress"``) through the plugin registry, or passed as a
+callable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from shard_comms._collectives import (
+    ReduceAlgorithm,
+    ReduceOpName,
+    all_reduce,
+    reduce_scatter,
+    resolve_divide_factors,
+)
+from shard_core import get_registry
+from shard_core.protocols import CommHook, GradReducer
+
+__all__ = ["DefaultGradReducer", "default_comm_hook", "reduce_gradient", "resolve_comm_hook"]
+
+
+def _group_size(group: ProcessGroup | None) -> int:
+    if group is not None:
+        return group.size()
+    return dist.get_world_size()
+
+
+class DefaultGradReducer:
+    """The plain reduction of a unit's gradient (implements ``GradReducer``).
+
+    Args:
+        group: The shard group (the all-reduce group for unsharded units);
+            ``None`` is the default group.
+        replicate_group: For hybrid sharding, the group the reduced shard is
+            then all-reduced across; ``None`` otherwise.
+        op: ``"avg"`` (divide by the data-parallel size, shard times replicate
+            group size) or ``"sum"``.
+        pre_divide: Factor applied before communication; ``None`` picks the
+            default for ``op`` (see [Note: Divide factors] in ``_collectives.py``).
+        algorithm: How to reduce-scatter (see :func:`reduce_scatter`).
+        label: Label for counters and profiler ranges (the unit's module name).
+
+    ``world_size`` is the size of ``group``: the number of pieces a sharded
+    gradient is split into, so ``output`` has ``grad.numel() // world_size``
+    elements. ``data_parallel_size`` counts every rank the gradient is
+    averaged over.
+    """
+
+    __slots__ = (
+        "_algorithm",
+        "_data_parallel_size",
+        "_group",
+        "_label",
+        "_post_divide",
+        "_pre_divide",
+        "_replicate_group",
+        "_world_size",
+    )
+
+    def __init__(
+        self,
+        group: ProcessGroup | None = None,
+        *,
+        replicate_group: ProcessGroup | None = None,
+        op: ReduceOpName = "avg",
+        pre_divide: float | None = None,
+        algorithm: ReduceAlgorithm = "auto",
+        label: str | None = None,
+    ) -> None:
+        self._group = group
+        self._replicate_group = replicate_group
+        self._world_size = _group_size(group)
+        replicas = 1 if replicate_group is None else replicate_group.size()
+        self._data_parallel_size = self._world_size * replicas
+        self._pre_divide, self._post_divide = resolve_divide_factors(
+            op, self._data_parallel_size, pre_divide, None
+        )
+        self._algorithm: ReduceAlgorithm = algorithm
+        self._label = label
+
+    # - GradReducer protocol
+    @property
+    def world_size(self) -> int:
+        """Size of the shard group: ``output`` is ``1 / world_size`` of ``grad``."""
+        return self._world_size
+
+    @property
+    def pre_divide(self) -> float:
+        """Factor the gradient is divided by before communication."""
+        return self._pre_divide
+
+    @property
+    def post_divide(self) -> float:
+        """Factor the result is divided by after communication."""
+        return self._post_divide
+
+    def reduce(self, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        """Reduce-scatter ``grad`` into ``output``, or all-reduce it in place when ``None``.
+
+        ``grad`` is scratch afterwards when ``output`` is given.
+        """
+        replicate = self._replicate_group
+        post = 1.0 if replicate is not None else self._post_divide
+        if output is None:
+            all_reduce(
+                grad,
+                self._group,
+                pre_divide=self._pre_divide,
+                post_divide=post,
+                label=self._label,
+            )
+            target = grad
+        else:
+            reduce_scatter(
+                output,
+                grad,
+                self._group,
+                pre_divide=self._pre_divide,
+                post_divide=post,
+                algorithm=self._algorithm,
+                label=self._label,
+            )
+            target = output
+        if replicate is not None:
+            all_reduce(target, replicate, post_divide=self._post_divide, label=self._label)
+
+    # - extras
+    @property
+    def group(self) -> ProcessGroup | None:
+        """The shard group (``None``: the default group)."""
+        return self._group
+
+    @property
+    def replicate_group(self) -> ProcessGroup | None:
+        """The replicate group of a hybrid mesh, or ``None``."""
+        return self._replicate_group
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Every rank the gradient is reduced over: shard times replicate group size."""
+        return self._data_parallel_size
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultGradReducer(world_size={self._world_size}, "
+            f"data_parallel_size={self._data_parallel_size}, pre_divide={self._pre_divide}, "
+            f"post_divide={self._post_divide}, label={self._label!r})"
+        )
+
+
+def default_comm_hook(
+    reducer: GradReducer, grad: torch.Tensor, output: torch.Tensor | None
+) -> None:
+    """The comm hook that is no hook: the reducer's plain reduction."""
+    reducer.reduce(grad, output)
+
+
+def resolve_comm_hook(hook: str | CommHook | None) -> CommHook | None:
+    """The comm hook a user asked for.
+
+    ``None``: none (the default reduction). A string: the hook registered under
+    that name through the ``shard_comm_hooks`` plugin hook; an unknown name
+    raises :class:`~shard_core.errors.UnknownPluginNameError` listing the
+    registered names. A callable: itself.
+    """
+    if hook is None:
+        return None
+    if isinstance(hook, str):
+        return get_registry().comm_hook(hook)
+    if not callable(hook):
+        raise TypeError(
+            f"comm hook {hook!r} is neither a registered hook name nor a callable "
+            "hook(reducer, grad, output); pass a name such as 'bf16_compress' or a function"
+        )
+    return hook
+
+
+def reduce_gradient(
+    grad: torch.Tensor,
+    output: torch.Tensor | None,
+    reducer: GradReducer,
+    hook: CommHook | None = None,
+) -> None:
+    """Reduce one unit's flat gradient: through ``hook`` when given, else ``reducer``.
+
+    ``output`` (sharded units) has ``grad.numel() // reducer.world_size``
+    elements and receives this rank's reduced slice; with ``None`` ``grad``
+    is all-reduced in place.
+    """
+    if output is not None and grad.numel() != output.numel() * reducer.world_size:
+        raise ValueError(
+            f"reduce_gradient: grad has {grad.numel()} elements but an output of "
+            f"{output.numel()} over {reducer.world_size} ranks needs "
+            f"{output.numel() * reducer.world_size}; pad the flat gradient to a multiple of "
+            "the world size"
+        )
+    if hook is None:
+        reducer.reduce(grad, output)
+    else:
+        hook(reducer, grad, output)

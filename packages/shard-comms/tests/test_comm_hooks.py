@@ -1,0 +1,197 @@
+"""The default gradient reducer, running a comm hook in its place, and choosing hooks by name."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shard_comms as sc
+from shard_comms import _hooks
+from shard_core import Registry, hookimpl, make_plugin_manager
+from shard_core.errors import UnknownPluginNameError
+from shard_core.protocols import CommHook, GradReducer
+
+
+def _values(seed: int, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, (numel,), generator=generator).to(torch.float32) / 4
+
+
+def _bf16_hook(reducer: GradReducer, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+    """Compress to bf16, reduce, decompress: the shape of the lowp plugin's hooks."""
+    low = grad.to(torch.bfloat16)
+    low_out = None if output is None else torch.empty(output.numel(), dtype=torch.bfloat16)
+    reducer.reduce(low, low_out)
+    if output is None:
+        grad.copy_(low)
+    else:
+        assert low_out is not None
+        output.copy_(low_out)
+
+
+# ---------------------------------------------------------------------------
+# Functions run on every rank
+# ---------------------------------------------------------------------------
+
+
+def _rank_reduce(numel: int, sharded: bool, hook: Any) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reducer = sc.DefaultGradReducer(label="layers.0")
+    grad = _values(rank, numel * world)
+    output = torch.empty(numel) if sharded else None
+    with sc.count_collectives() as counts:
+        sc.reduce_gradient(grad, output, reducer, hook)
+    return {
+        "result": grad if output is None else output,
+        "protocol": isinstance(reducer, GradReducer),
+        "factors": (reducer.world_size, reducer.pre_divide, reducer.post_divide),
+        "counts": counts.as_dict(),
+        "labels": sorted(counts.labels()),
+    }
+
+
+def _rank_hybrid(numel: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    mesh = sc.build_mesh((2, 2))
+    shard_group, replicate_group = sc.mesh_groups(mesh)
+    reducer = sc.DefaultGradReducer(shard_group, replicate_group=replicate_group)
+    output = torch.empty(numel)
+    with sc.count_collectives() as counts:
+        reducer.reduce(_values(rank, numel * 2), output)
+    return {
+        "output": output,
+        "sizes": (reducer.world_size, reducer.data_parallel_size),
+        "factors": (reducer.pre_divide, reducer.post_divide),
+        "calls": (counts.calls("reduce_scatter"), counts.calls("all_reduce")),
+    }
+
+
+# ---------------------------------------------------------------------------
+# The default reducer
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_default_reducer_averages_into_each_ranks_shard(rank_pool: Any, world_size: int) -> None:
+    """reduce(grad, output) is a reduce-scatter averaging over the world, with default factors."""
+    results = rank_pool.run(_rank_reduce, world_size, 3, True, None)
+    pre, post = sc.default_divide_factors(world_size)
+    total = torch.stack([_values(r, 3 * world_size) / pre for r in range(world_size)]).sum(0)
+    expected = total / post
+    for rank, result in enumerate(results):
+        assert torch.equal(result["result"], expected[rank * 3 : (rank + 1) * 3])
+        assert result["protocol"] is True
+        assert result["factors"] == (world_size, pre, post)
+        calls = 0 if world_size == 1 else 1
+        assert result["counts"]["reduce_scatter"]["calls"] == calls
+        assert result["labels"] == ([] if world_size == 1 else ["layers.0"])
+
+
+def test_default_reducer_all_reduces_unsharded_gradients(rank_pool: Any) -> None:
+    """reduce(grad, None) averages grad in place with one all-reduce."""
+    results = rank_pool.run(_rank_reduce, 4, 2, False, None)
+    expected = torch.stack([_values(r, 8) / 2 for r in range(4)]).sum(0) / 2
+    for result in results:
+        assert torch.equal(result["result"], expected)
+        assert result["counts"]["all_reduce"] == {"calls": 1, "bytes": 32}
+
+
+def test_hybrid_reducer_averages_over_shard_and_replicate_axes(rank_pool: Any) -> None:
+    """On a 2x2 mesh the shard is reduce-scattered in its node, then all-reduced across nodes."""
+    results = rank_pool.run(_rank_hybrid, 4, 3)
+    total = torch.stack([_values(r, 6) / 2 for r in range(4)]).sum(0) / 2
+    for rank, result in enumerate(results):
+        shard_rank = rank % 2
+        assert torch.equal(result["output"], total[shard_rank * 3 : (shard_rank + 1) * 3])
+        assert result["sizes"] == (2, 4)
+        assert result["factors"] == (2.0, 2.0)
+        assert result["calls"] == (1, 1)
+
+
+# ---------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_hook_replaces_the_default_reduction(rank_pool: Any, sharded: bool) -> None:
+    """A callable hook runs instead of the reducer: here the result is the bf16 reduction."""
+    results = rank_pool.run(_rank_reduce, 2, 4, sharded, _bf16_hook)
+    bf16 = [_values(r, 8).to(torch.bfloat16) for r in range(2)]
+    expected = ((bf16[0] + bf16[1]) / 2).to(torch.float32)
+    for rank, result in enumerate(results):
+        want = expected[rank * 4 : (rank + 1) * 4] if sharded else expected
+        assert torch.equal(result["result"], want)
+
+
+def test_default_comm_hook_is_the_reducer() -> None:
+    """default_comm_hook just calls reducer.reduce with the same tensors."""
+    seen: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    class _Recorder:
+        def reduce(self, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+            seen.append((grad, output))
+
+    grad, output = torch.zeros(4), torch.zeros(2)
+    sc.default_comm_hook(_Recorder(), grad, output)  # type: ignore[arg-type]
+    assert len(seen) == 1
+    assert seen[0][0] is grad
+    assert seen[0][1] is output
+
+
+def test_reduce_gradient_checks_sizes_before_the_hook() -> None:
+    """A gradient that does not split evenly into the output is rejected, naming the sizes."""
+
+    class _Two:
+        world_size = 2
+
+    message = (
+        "reduce_gradient: grad has 5 elements but an output of 2 over 2 ranks needs 4; pad "
+        "the flat gradient to a multiple of the world size"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sc.reduce_gradient(torch.zeros(5), torch.zeros(2), _Two())  # type: ignore[arg-type]
+
+
+class _LowpPlugin:
+    @hookimpl
+    def shard_comm_hooks(self) -> Mapping[str, CommHook]:
+        return {"bf16_compress": _bf16_hook}
+
+
+@pytest.fixture
+def in_memory_registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """A registry with one plugin registering 'bf16_compress', used by resolve_comm_hook."""
+    pm = make_plugin_manager(load_entry_points=False)
+    pm.register(_LowpPlugin(), name="lowp")
+    registry = Registry(pm)
+    monkeypatch.setattr(_hooks, "get_registry", lambda: registry)
+    return registry
+
+
+def test_resolve_comm_hook_by_name_or_callable(in_memory_registry: Registry) -> None:
+    """A name resolves through the registry, a callable is itself, None means the default."""
+    assert sc.resolve_comm_hook("bf16_compress") is _bf16_hook
+    assert sc.resolve_comm_hook(sc.default_comm_hook) is sc.default_comm_hook
+    assert sc.resolve_comm_hook(None) is None
+
+
+def test_unknown_hook_name_lists_the_registered_names(in_memory_registry: Registry) -> None:
+    """A misspelt name raises UnknownPluginNameError listing what is registered."""
+    message = (
+        "no comm hook is registered as 'bf16_compres'; registered: 'bf16_compress'. "
+        "Did you mean 'bf16_compress'?"
+    )
+    with pytest.raises(UnknownPluginNameError, match=re.escape(message)):
+        sc.resolve_comm_hook("bf16_compres")
+
+
+def test_a_hook_that_is_not_callable_is_rejected() -> None:
+    """Something neither a name nor a callable is a TypeError that says what to pass."""
+    with pytest.raises(TypeError, match=re.escape("comm hook 3 is neither a registered hook")):
+        sc.resolve_comm_hook(3)  # type: ignore[arg-type]

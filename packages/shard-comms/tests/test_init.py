@@ -1,0 +1,322 @@
+"""init_distributed: reading the launch environment, choosing backend and device, idempotence.
+
+The decisions are plain functions tested here without a process group; the
+calls into torch.distributed are recorded by a stand-in in this process, and
+adopting an existing group is tested on the rank pool.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore
+
+import shard_comms as sc
+from shard_comms import _init
+from shard_core import CpuDeviceHandle
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+}
+
+
+class _FakeAccelerator:
+    """Just enough of a CUDA device handle for the init decisions."""
+
+    device_type = "cuda"
+    backend = "nccl"
+
+    def __init__(self, available: bool = True, count: int = 2) -> None:
+        self.available = available
+        self.count = count
+        self.set_devices: list[torch.device] = []
+
+    def is_available(self) -> bool:
+        return self.available
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_device(self, device: torch.device) -> None:
+        self.set_devices.append(device)
+
+
+# ---------------------------------------------------------------------------
+# parse_launch_env, choose_backend, plan_init
+# ---------------------------------------------------------------------------
+
+
+def test_no_launch_variables_is_a_world_of_one() -> None:
+    """With none of the launcher's variables set the process is rank 0 of 1, not launched."""
+    assert sc.parse_launch_env({}) == sc.LaunchEnv(
+        rank=0, world_size=1, local_rank=0, master_addr=None, master_port=None, launched=False
+    )
+
+
+def test_torchrun_variables_are_read() -> None:
+    """torchrun's variables give rank, world size, local rank and the rendezvous address."""
+    assert sc.parse_launch_env(TORCHRUN) == sc.LaunchEnv(
+        rank=3, world_size=8, local_rank=1, master_addr="node0", master_port=29500, launched=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "local_rank"),
+    [
+        ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, 1),
+        ({"RANK": "5", "WORLD_SIZE": "8"}, 5),
+    ],
+)
+def test_local_rank_defaults(environ: dict[str, str], local_rank: int) -> None:
+    """Without LOCAL_RANK the local rank is RANK modulo LOCAL_WORLD_SIZE, else RANK itself."""
+    assert sc.parse_launch_env(environ).local_rank == local_rank
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not; set both (torchrun does)"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not; set both (torchrun does)"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "two"},
+            "environment variable WORLD_SIZE='two' is not an integer",
+        ),
+        (
+            {"RANK": "4", "WORLD_SIZE": "4"},
+            "RANK=4 is outside a world of WORLD_SIZE=4; ranks run 0..3",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+    ],
+)
+def test_malformed_launch_variables_are_named(environ: dict[str, str], message: str) -> None:
+    """A partial or malformed environment raises DistributedInitError naming the variable."""
+    with pytest.raises(sc.DistributedInitError, match=re.escape(message)):
+        sc.parse_launch_env(environ)
+
+
+def test_backend_follows_the_device_handle() -> None:
+    """CPU picks gloo, a usable accelerator its own backend, an unusable one gloo."""
+    assert sc.choose_backend(CpuDeviceHandle()) == "gloo"
+    assert sc.choose_backend(_FakeAccelerator()) == "nccl"  # type: ignore[arg-type]
+    assert sc.choose_backend(_FakeAccelerator(available=False)) == "gloo"  # type: ignore[arg-type]
+
+
+def test_plan_for_a_single_cpu_process() -> None:
+    """A world of one on CPU: gloo, in-memory store (no init method), torch's default timeout."""
+    plan = sc.plan_init(sc.parse_launch_env({}), CpuDeviceHandle())
+    assert plan == sc.InitPlan(
+        backend="gloo",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        timeout=None,
+        init_method=None,
+    )
+
+
+def test_plan_for_torchrun_on_gpus() -> None:
+    """Under torchrun with GPUs: nccl, the LOCAL_RANK-th GPU, env:// and the timeout given."""
+    launch = sc.parse_launch_env(TORCHRUN)
+    plan = sc.plan_init(launch, _FakeAccelerator(), timeout=30)  # type: ignore[arg-type]
+    assert plan == sc.InitPlan(
+        backend="nccl",
+        rank=3,
+        world_size=8,
+        local_rank=1,
+        device=torch.device("cuda", 1),
+        timeout=timedelta(seconds=30),
+        init_method="env://",
+    )
+    forced = sc.plan_init(launch, _FakeAccelerator(), backend="gloo")  # type: ignore[arg-type]
+    assert forced.backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("environ", "handle", "timeout", "message"),
+    [
+        (
+            TORCHRUN,
+            _FakeAccelerator(count=1),
+            None,
+            "LOCAL_RANK=1 but only 1 cuda device(s) are visible; start at most 1 processes "
+            "per node",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2"},
+            CpuDeviceHandle(),
+            None,
+            "WORLD_SIZE=2 needs MASTER_ADDR and MASTER_PORT to find the other ranks",
+        ),
+        ({}, CpuDeviceHandle(), -1.0, "timeout=-1.0 must be positive"),
+    ],
+)
+def test_impossible_plans_are_clear_errors(
+    environ: dict[str, str], handle: Any, timeout: float | None, message: str
+) -> None:
+    """Too few devices, no rendezvous address or a non-positive timeout each say what to fix."""
+    with pytest.raises(sc.DistributedInitError, match=re.escape(message)):
+        sc.plan_init(sc.parse_launch_env(environ), handle, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------
+# init_distributed with a stand-in torch.distributed
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_dist(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """Record init_process_group calls instead of making them; forget init_distributed's state."""
+    calls: list[tuple[str, dict[str, Any]]] = []
+    for key in LAUNCH_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(dist, "is_initialized", lambda: bool(calls))
+
+    def init_process_group(backend: str, **kwargs: Any) -> None:
+        calls.append((backend, kwargs))
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(_init, "_STATE", None)
+    monkeypatch.setattr(_init, "_STATE_GROUP", None)
+    monkeypatch.setattr(_init, "get_device_handle", lambda device_type=None: CpuDeviceHandle())
+    return calls
+
+
+def test_init_without_environment_is_a_world_of_one(
+    fake_dist: list[tuple[str, dict[str, Any]]],
+) -> None:
+    """No env vars: one gloo process over an in-memory store, with the timeout passed through."""
+    state = sc.init_distributed(timeout=30)
+    assert state == sc.DistributedState(
+        backend="gloo",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        timeout=timedelta(seconds=30),
+        adopted=False,
+    )
+    ((backend, kwargs),) = fake_dist
+    assert backend == "gloo"
+    assert isinstance(kwargs.pop("store"), HashStore)
+    assert kwargs == {
+        "rank": 0,
+        "world_size": 1,
+        "timeout": timedelta(seconds=30),
+        "device_id": None,
+    }
+
+
+def test_second_init_returns_the_same_state(fake_dist: list[tuple[str, dict[str, Any]]]) -> None:
+    """A second call, with or without the same arguments, returns the first state; no new init."""
+    first = sc.init_distributed(timeout=30)
+    assert sc.init_distributed() is first
+    assert sc.init_distributed(backend="gloo", timeout=timedelta(seconds=30)) is first
+    assert len(fake_dist) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"backend": "nccl"},
+            "init_distributed(backend='nccl') but torch.distributed is already initialised "
+            "with backend 'gloo' (rank 0 of 1); drop the argument, or call "
+            "torch.distributed.destroy_process_group() first",
+        ),
+        (
+            {"timeout": 60},
+            "init_distributed(timeout=0:01:00) but the process group was created with "
+            "timeout=0:00:30 (None: torch's default) (rank 0 of 1)",
+        ),
+        (
+            {"device_type": "cuda"},
+            "init_distributed(device_type='cuda') but this process already computes on cpu",
+        ),
+    ],
+)
+def test_conflicting_second_init_is_an_error(
+    fake_dist: list[tuple[str, dict[str, Any]]], kwargs: dict[str, Any], message: str
+) -> None:
+    """A second call that contradicts the existing group says what differs and how to fix it."""
+    sc.init_distributed(timeout=30)
+    with pytest.raises(sc.DistributedInitError, match=re.escape(message)):
+        sc.init_distributed(**kwargs)
+
+
+def test_init_under_torchrun_with_gpus_uses_nccl_and_the_local_gpu(
+    fake_dist: list[tuple[str, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun with a usable accelerator: nccl over env://, current device = LOCAL_RANK."""
+    handle = _FakeAccelerator()
+    monkeypatch.setattr(_init, "get_device_handle", lambda device_type=None: handle)
+    for key, value in TORCHRUN.items():
+        monkeypatch.setenv(key, value)
+    state = sc.init_distributed()
+    assert (state.backend, state.rank, state.world_size, state.device) == (
+        "nccl",
+        3,
+        8,
+        torch.device("cuda", 1),
+    )
+    assert handle.set_devices == [torch.device("cuda", 1)]
+    assert fake_dist == [
+        (
+            "nccl",
+            {
+                "init_method": "env://",
+                "rank": 3,
+                "world_size": 8,
+                "timeout": None,
+                "device_id": torch.device("cuda", 1),
+            },
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Adopting a group that exists (rank pool)
+# ---------------------------------------------------------------------------
+
+
+def _rank_adopt() -> dict[str, Any]:
+    first = sc.init_distributed()
+    second = sc.init_distributed(backend="gloo", timeout=5)
+    try:
+        sc.init_distributed(backend="nccl")
+    except sc.DistributedInitError as exc:
+        conflict = str(exc)
+    else:
+        conflict = "no error"
+    return {
+        "same": first is second,
+        "fields": (first.backend, first.rank, first.world_size, first.local_rank, first.adopted),
+        "device": str(first.device),
+        "conflict": conflict,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_init_adopts_an_existing_group(rank_pool: Any, world_size: int) -> None:
+    """In an initialised process it adopts the group, stays idempotent and rejects nccl."""
+    results = rank_pool.run(_rank_adopt, world_size)
+    for rank, result in enumerate(results):
+        assert result["same"] is True
+        assert result["fields"] == ("gloo", rank, world_size, rank, True)
+        assert result["device"] == "cpu"
+        assert result["conflict"] == (
+            "init_distributed(backend='nccl') but torch.distributed is already initialised "
+            f"with backend 'gloo' (rank {rank} of {world_size}); drop the argument, or call "
+            "torch.distributed.destroy_process_group() first"
+        )
