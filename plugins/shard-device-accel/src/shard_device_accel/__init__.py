@@ -1,5 +1,25 @@
 """Device handles for other accelerators (xpu, hpu, npu, mps) through torch.accelerator."""
 
+from shard_device_accel._errors import DeviceMismatchError, DeviceUnavailableError
+from shard_device_accel._handle import (
+    ACCELERATOR_TYPES,
+    MEMORY_STAT_KEYS,
+    AcceleratorDeviceHandle,
+    AcceleratorType,
+    accelerator_handle,
+)
+from shard_device_accel._stream import AcceleratorEvent, AcceleratorStream
 from shard_device_accel._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "ACCELERATOR_TYPES",
+    "MEMORY_STAT_KEYS",
+    "AcceleratorDeviceHandle",
+    "AcceleratorEvent",
+    "AcceleratorStream",
+    "AcceleratorType",
+    "DeviceMismatchError",
+    "DeviceUnavailableError",
+    "__version__",
+    "accelerator_handle",
+]

@@ -1,0 +1,60 @@
+"""The three bundled plugins, found through their real entry points by the real registry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import shard_comm_lowp
+import shard_device_accel.plugin
+import shard_device_cuda.plugin
+from shard_core import CpuDeviceHandle, get_plugin_manager, get_registry, reset_plugin_manager
+from shard_core.plugin import Registry
+
+SWITCHES = ("SHARD_DISABLE_PLUGINS", "SHARD_LOAD_PLUGINS", "SHARD_TRACE_PLUGINS")
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
+    """The process-wide registry, rebuilt from the installed entry points with no switches set."""
+    for switch in SWITCHES:
+        monkeypatch.delenv(switch, raising=False)
+    reset_plugin_manager()
+    yield get_registry()
+    reset_plugin_manager()
+
+
+def test_plugins_are_registered_under_their_entry_point_names(registry: Registry) -> None:
+    """The manager holds each plugin module under its entry-point name."""
+    pm = get_plugin_manager()
+    assert {"accel", "comm-lowp", "cuda"} <= set(registry.plugin_names())
+    assert pm.get_plugin("comm-lowp") is shard_comm_lowp.plugin
+    assert pm.get_plugin("cuda") is shard_device_cuda.plugin
+    assert pm.get_plugin("accel") is shard_device_accel.plugin
+
+
+def test_compression_hooks_are_found_by_name(registry: Registry) -> None:
+    """comm_hook('bf16_compress') and comm_hook('fp16_compress') are the plugin's hook objects."""
+    assert registry.comm_hook("bf16_compress") is shard_comm_lowp.bf16_compress
+    assert registry.comm_hook("fp16_compress") is shard_comm_lowp.fp16_compress
+
+
+def test_cuda_handle_is_found_for_cuda(registry: Registry) -> None:
+    """device_handle('cuda') is the CUDA plugin's handle, available exactly when torch.cuda is."""
+    handle = registry.device_handle("cuda")
+    assert handle is shard_device_cuda.plugin.CUDA_HANDLE
+    assert (handle.device_type, handle.backend) == ("cuda", "nccl")
+    assert handle.is_available() is torch.cuda.is_available()
+
+
+def test_accel_leaves_cpu_to_the_built_in_handle(registry: Registry) -> None:
+    """The accel plugin, asked through the manager, answers None for 'cpu'; cpu stays built in."""
+    (accel_impl,) = [
+        impl
+        for impl in get_plugin_manager().hook.shard_device_handle.get_hookimpls()
+        if impl.plugin is shard_device_accel.plugin
+    ]
+    assert accel_impl.function(device_type="cpu") is None
+    assert isinstance(registry.device_handle("cpu"), CpuDeviceHandle)
