@@ -9,7 +9,6 @@ and backward. Apply it bottom-up (blocks first, then the root).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn, TypeVar, overload
 
@@ -29,9 +28,9 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_
 
 _M = TypeVar("_M", bound=nn.Module)
 
-# Original parameter -> label of the unit that sharded it, to catch a parameter
-# shared by two units that were not grouped into one call.
-_SHARDED_BY: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+# Set on original and sharded parameters: the label of the unit that sharded
+# them, to catch a parameter shared by two units that were not grouped.
+_SHARDED_BY_ATTR = "_shard_unit_label"
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
@@ -235,8 +234,6 @@ def fully_shard(
         ShardedParam.create(fqn, param, owners, mesh=mesh, shard_device=shard_device)
         for fqn, param, owners in params
     ]
-    for _, param, _ in params:
-        _SHARDED_BY[param] = label
     unit = Unit(
         label=label,
         params=sharded,
@@ -244,6 +241,9 @@ def fully_shard(
         mp_policy=mp_policy,
         compute_device=compute_device,
     )
+    for (_, param, _), sp in zip(params, sharded, strict=True):
+        setattr(param, _SHARDED_BY_ATTR, unit)
+        setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
     state = ShardState(
         modules,
         unit,
@@ -253,6 +253,7 @@ def fully_shard(
     for child in children:
         if child.parent is None:
             child.parent = state
+    state.name_inner_units()
     unit.reshard()
     for m in modules:
         cls = type(m)
@@ -390,12 +391,10 @@ def _collect_params(
             for name, param in list(mod._parameters.items()):
                 if param is None or id(param) in managed or param in ignored:
                     continue
-                if isinstance(param, DTensor):
-                    continue
                 fqn = f"{prefix}{mod_name}.{name}" if mod_name else f"{prefix}{name}"
                 entry = found.get(id(param))
                 if entry is None:
-                    _check_param(fqn, param, label)
+                    _check_param(fqn, param, label, modules)
                     entry = (fqn, param, [])
                     found[id(param)] = entry
                 owner = ParamOwner(mod, name)
@@ -404,13 +403,27 @@ def _collect_params(
     return list(found.values())
 
 
-def _check_param(fqn: str, param: nn.Parameter, label: str) -> None:
-    other = _SHARDED_BY.get(param)
-    if other is not None:
+def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Module]) -> None:
+    other = getattr(param, _SHARDED_BY_ATTR, None)
+    if isinstance(other, Unit):
+        where = next(
+            (
+                f"{s.class_name} ({name!r})"
+                for top in modules
+                for name, m in top.named_modules()
+                if (s := get_state(m)) is not None and s.unit is other
+            ),
+            other.label,
+        )
         raise ValueError(
             f"fully_shard({label}): parameter {fqn!r} is already sharded by the unit of "
-            f"{other}; a parameter shared by two units must be in one unit: pass the modules "
+            f"{where}; a parameter shared by two units must be in one unit: pass the modules "
             "that share it as a list to one fully_shard call"
+        )
+    if isinstance(param, DTensor):  # sharded by a call outside this module tree
+        raise ValueError(
+            f"fully_shard({label}): parameter {fqn!r} is already a DTensor; shard a module once, "
+            "and apply fully_shard to inner modules before outer ones"
         )
     if param.dim() == 0:
         raise LayoutError(

@@ -47,7 +47,8 @@ class ParamOwner:
 class ShardedParam:
     """Sharded and unsharded faces of one parameter; see the module docstring."""
 
-    fqn: str
+    fqn: str  # qualified name in the outermost sharded module known so far
+    local_name: str  # qualified name in the module(s) of its own unit
     owners: list[ParamOwner]
     full_shape: torch.Size
     requires_grad: bool
@@ -88,6 +89,8 @@ class ShardedParam:
         padded_rows = math.ceil(dim0 / shard_world)
         start = min(shard_rank * padded_rows, dim0)
         local_rows = min(padded_rows, dim0 - start)
+        if param.device.type == "meta":  # stays on meta until module.to_empty(...)
+            shard_device = param.device
         padded_shard = torch.zeros(
             (padded_rows, *full_shape[1:]), dtype=param.dtype, device=shard_device
         )
@@ -99,6 +102,7 @@ class ShardedParam:
         )
         self = cls(
             fqn=fqn,
+            local_name=fqn,
             owners=owners,
             full_shape=full_shape,
             requires_grad=param.requires_grad,

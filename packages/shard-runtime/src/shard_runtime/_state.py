@@ -58,6 +58,7 @@ class ShardState:
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.modules = modules
+        self.class_name = ",".join(type(m).__name__ for m in modules)
         self.unit = unit
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
@@ -99,10 +100,10 @@ class ShardState:
             while outer.parent is not None:
                 outer = outer.parent
             raise RuntimeError(
-                f"fully_shard: the forward of {type(self.modules[0]).__name__} "
-                f"({self.label!r}) ran before the first forward of the root sharded module "
-                f"{type(outer.modules[0]).__name__}; run the root module's forward first "
-                "(it sets up the whole tree), then submodules may run on their own"
+                f"fully_shard: the forward of {self.class_name} ({self.label!r}) ran before "
+                f"the first forward of the root sharded module {outer.class_name}; run the root "
+                "module's forward first (it sets up the whole tree), then submodules may run "
+                "on their own"
             )
         states: list[ShardState] = []
         for top in self.modules:
@@ -110,9 +111,17 @@ class ShardState:
                 state = get_state(module)
                 if state is not None and state not in states:
                     states.append(state)
-        on_meta = [
-            p.fqn for s in states for p in s.unit.params if p.padded_shard.device.type == "meta"
-        ]
+        self.all_states = states
+        self.name_inner_units()
+        model_order = {
+            name: index
+            for top in self.modules
+            for index, (name, _) in enumerate(top.named_parameters(remove_duplicate=False))
+        }
+        on_meta = sorted(
+            (p.fqn for s in states for p in s.unit.params if p.padded_shard.device.type == "meta"),
+            key=lambda fqn: model_order.get(fqn, len(model_order)),
+        )
         if on_meta:
             raise RuntimeError(
                 "fully_shard: parameters are still on the meta device: "
@@ -121,22 +130,16 @@ class ShardState:
             )
         for state in states:
             state.root = self
-        self.all_states = states
-        self._name_units()
 
-    def _name_units(self) -> None:
-        """Label every unit and parameter by its qualified name in the root module."""
+    def name_inner_units(self) -> None:
+        """Label every unit below this one by its qualified name under this one's module(s)."""
         for top_index, top in enumerate(self.modules):
             top_prefix = f"{top_index}." if len(self.modules) > 1 else ""
             for name, module in top.named_modules():
                 state = get_state(module)
                 if state is None or state is self or module is not state.modules[0]:
                     continue
-                prefix = f"{top_prefix}{name}"
-                state.unit.label = prefix
-                for p in state.unit.params:
-                    if not p.fqn.startswith(prefix + "."):
-                        p.fqn = f"{prefix}.{p.fqn}"
+                state.unit.set_label(f"{top_prefix}{name}")
 
     # ------------------------------------------------------------------ forward
 

@@ -111,6 +111,12 @@ class Unit:
         self.trainable = [p for p in self.params if p.requires_grad]
         self._init_compute_dtype()
 
+    def set_label(self, label: str) -> None:
+        """Name the unit by its module's qualified name (and its parameters under it)."""
+        self.label = label
+        for p in self.params:
+            p.fqn = f"{label}.{p.local_name}" if label else p.local_name
+
     # ------------------------------------------------------------------ dtypes
 
     def _init_compute_dtype(self) -> None:
