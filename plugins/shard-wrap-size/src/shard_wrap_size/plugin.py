@@ -1,0 +1,1 @@
+"""Registry hooks of this plugin."""
