@@ -1,63 +1,66 @@
-"""The collectives the engine issues, in one place.
+"""Where the engine's communication runs: collectives through shard-comms, on their own streams.
 
-Every collective a unit runs goes through these three functions, so the
-engine has a single seam to shard-comms (counters, profiler labels, the
-per-backend fastest path) and world size 1 never reaches ``torch.distributed``.
+Every collective a unit issues goes through shard-comms (counted, labelled
+with the unit's module name for profiles and ``SHARD_DEBUG`` logs, and taking
+the fastest path per backend). On an accelerator, all-gathers and
+reductions are issued on two streams of their own, so they overlap the
+compute stream; events order them. On the CPU the device handle's streams and
+events are no-ops and the same code runs unchanged.
+
+[Note: Stream ordering]
+All-gather: the all-gather stream first waits for the compute stream (or for
+the event ``set_post_optim_event`` gave), because the optimizer writes the
+shards there; the copy-in and the collective run on the all-gather stream;
+the compute stream waits for the collective before the copy-out. Reduction:
+the reduce-scatter stream waits for the compute stream (the gradients are
+computed there), copies them in and reduces; the compute stream waits for it
+before the reduced shard is accumulated. Tensors allocated on one stream and
+used on another are recorded with the allocator so their memory is not reused
+too early.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["Pending", "all_gather", "all_reduce", "reduce_scatter"]
+from shard_comms import get_device_handle
+from shard_core.protocols import DeviceHandle, EventLike, StreamLike
 
-
-class Pending(Protocol):
-    """An issued collective; ``wait()`` blocks until its output is ready."""
-
-    def wait(self) -> object: ...
+__all__ = ["CommStreams", "streams_for"]
 
 
-class _Done:
-    def wait(self) -> object:
-        return True
+@dataclass(frozen=True, slots=True)
+class CommStreams:
+    """The device handle and the two communication streams of one device type."""
+
+    handle: DeviceHandle
+    all_gather: StreamLike
+    reduce_scatter: StreamLike
+
+    def current(self) -> StreamLike:
+        """The compute stream."""
+        return self.handle.current_stream()
+
+    def record(self, stream: StreamLike) -> EventLike:
+        """An event at the current end of ``stream``."""
+        return stream.record_event()
 
 
-_DONE = _Done()
+_STREAMS: dict[str, CommStreams] = {}
 
 
-def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *, label: str
-) -> Pending:
-    """Gather every rank's equally sized ``shard`` into ``output`` (rank-major)."""
-    if dist.get_world_size(group) == 1:
-        output.copy_(shard)
-        return _DONE
-    work = dist.all_gather_single(output, shard, group=group, async_op=True)
-    assert work is not None
-    return cast(Pending, work)
-
-
-def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, *, label: str
-) -> Pending:
-    """Sum ``full`` across ranks; ``output`` receives this rank's slice."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        output.copy_(full)
-        return _DONE
-    work = dist.reduce_scatter_single(output, full, group=group, async_op=True)
-    assert work is not None
-    return cast(Pending, work)
-
-
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, label: str) -> Pending:
-    """Sum ``tensor`` in place across ranks."""
-    if dist.get_world_size(group) == 1:
-        return _DONE
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    assert work is not None
-    return cast(Pending, work)
+def streams_for(device: torch.device) -> CommStreams:
+    """The communication streams for ``device``'s type, created once per process."""
+    streams = _STREAMS.get(device.type)
+    if streams is None:
+        handle = get_device_handle(device.type)
+        # Higher priority (lower number) lets communication kernels start ahead of compute.
+        streams = CommStreams(
+            handle=handle,
+            all_gather=handle.new_stream(priority=-1),
+            reduce_scatter=handle.new_stream(priority=-1),
+        )
+        _STREAMS[device.type] = streams
+    return streams

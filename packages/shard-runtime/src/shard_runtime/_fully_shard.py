@@ -10,15 +10,17 @@ and backward. Apply it bottom-up (blocks first, then the root).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NoReturn, TypeVar, overload
+from typing import Any, NoReturn, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from shard_comms import build_mesh, get_device_handle
 from shard_core.errors import LayoutError
+from shard_core.protocols import EventLike
 from shard_runtime._options import MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
 from shard_runtime._state import ShardState, get_state
@@ -126,7 +128,8 @@ class FSDPModule:
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next all-gather wait for ``event`` (recorded after the optimizer step)."""
-        self._shard().unit._post_event = event
+        # Stream.wait_event of every device handle also takes the device's own events.
+        self._shard().unit._post_event = cast(EventLike, event)
 
     def _states(self, recurse: bool) -> list[ShardState]:
         if not recurse:
@@ -319,11 +322,10 @@ def _default_mesh() -> DeviceMesh:
             "fully_shard: torch.distributed is not initialized; call "
             "shard_comms.init_distributed() (or run under torchrun), or pass mesh="
         )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    key = (device_type, dist.get_world_size())
+    key = (get_device_handle().device_type, dist.get_world_size())
     mesh = _DEFAULT_MESHES.get(key)
     if mesh is None:
-        mesh = _DEFAULT_MESHES[key] = init_device_mesh(device_type, (key[1],))
+        mesh = _DEFAULT_MESHES[key] = build_mesh(device_type=key[0])
     return mesh
 
 
@@ -356,11 +358,7 @@ def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> bool:
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    return get_device_handle(mesh.device_type).current_device()
 
 
 def _inner_states(modules: list[nn.Module]) -> list[ShardState]:

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_runtime import _comm
+from shard_comms import CommHandle, all_gather, all_reduce, default_divide_factors, reduce_scatter
+from shard_core.protocols import EventLike
+from shard_runtime._comm import streams_for
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._param import ShardedParam
 
@@ -56,7 +58,7 @@ class TrainingState(enum.Enum):
 class PendingReduce:
     """A gradient reduction in flight; :meth:`finish` lands it in the sharded gradients."""
 
-    work: _comm.Pending
+    work: CommHandle
     finish_fn: Callable[[], None]
     keep_alive: tuple[torch.Tensor, ...] = ()  # collective inputs, held until it completes
     done: bool = False
@@ -73,8 +75,10 @@ class PendingReduce:
 
 @dataclass(slots=True)
 class _PendingGather:
-    work: _comm.Pending
+    work: CommHandle
     output: torch.Tensor  # 1D, world * per_rank
+    send: torch.Tensor  # 1D, per_rank: the input, held until the collective completes
+    issued: EventLike  # end of the copy-in and the collective call on the all-gather stream
 
 
 @dataclass(eq=False)
@@ -97,7 +101,7 @@ class Unit:
     _pending_gather: _PendingGather | None = None
     _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
     _grads_ready: int = 0
-    _post_event: object | None = None
+    _post_event: EventLike | None = None
     _grad_hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     on_all_grads_ready: Callable[[Unit], None] | None = None
 
@@ -109,7 +113,13 @@ class Unit:
         self.shard_world = self.mesh.size(-1)
         self.replicate_world = self.mesh.size(0) if self.mesh.ndim == 2 else 1
         self.trainable = [p for p in self.params if p.requires_grad]
+        self.streams = streams_for(self.compute_device)
         self._init_compute_dtype()
+
+    @property
+    def comm_label(self) -> str:
+        """The unit's name in profiles, logs and collective counts (``root`` for the root)."""
+        return self.label or "root"
 
     def set_label(self, label: str) -> None:
         """Name the unit by its module's qualified name (and its parameters under it)."""
@@ -164,22 +174,29 @@ class Unit:
         if not self.params:
             self.sharded_state = ShardedState.UNSHARDED
             return
-        if self._post_event is not None:
-            getattr(self._post_event, "wait", lambda: None)()
-            self._post_event = None
         self._check_materialized()
         assert self.gather_dtype is not None
+        # See [Note: Stream ordering] in _comm.py.
+        streams = self.streams
+        stream = streams.all_gather
+        if self._post_event is not None:
+            stream.wait_event(self._post_event)
+            self._post_event = None
+        else:
+            stream.wait_stream(streams.current())
         per_rank = sum(p.padded_numel for p in self.params)
-        send = torch.empty(per_rank, dtype=self.gather_dtype, device=self.compute_device)
-        offset = 0
-        for p in self.params:
-            send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
-            offset += p.padded_numel
-        output = torch.empty(
-            per_rank * self.shard_world, dtype=self.gather_dtype, device=self.compute_device
-        )
-        work = _comm.all_gather(output, send, self.shard_group, label=self.label)
-        self._pending_gather = _PendingGather(work, output)
+        with streams.handle.stream(stream):
+            send = torch.empty(per_rank, dtype=self.gather_dtype, device=self.compute_device)
+            offset = 0
+            for p in self.params:
+                send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
+                offset += p.padded_numel
+            output = torch.empty(
+                per_rank * self.shard_world, dtype=self.gather_dtype, device=self.compute_device
+            )
+            work = all_gather(output, send, self.shard_group, async_op=True, label=self.comm_label)
+            issued = stream.record_event()
+        self._pending_gather = _PendingGather(work, output, send, issued)
         if not async_op:
             self.wait_for_unshard()
 
@@ -191,7 +208,10 @@ class Unit:
                 self.unshard()
             return
         self._pending_gather = None
+        current = self.streams.current()
+        pending.issued.wait(current)
         pending.work.wait()
+        self.streams.handle.record_stream(pending.output, current)
         for p in self.params:
             p.alloc_unsharded()
         outs = [p.unsharded_rows_view() for p in self.params]
@@ -242,40 +262,60 @@ class Unit:
         return any(p.unsharded_param.grad is not None for p in self.trainable)
 
     def reduce_grads(self) -> PendingReduce | None:
-        """Issue the reduce-scatter of this unit's full gradients; ``None`` if there are none."""
+        """Issue the reduce-scatter of this unit's full gradients; ``None`` if there are none.
+
+        The result is averaged over every data-parallel rank (shard x replicate).
+        """
         if not self.has_unsharded_grads():
             return None
         reduce_dtype = self._reduce_dtype()
         world = self.shard_world
         per_rank = sum(p.padded_numel for p in self.trainable)
-        full = torch.empty(world * per_rank, dtype=reduce_dtype, device=self.compute_device)
-        columns = full.view(world, per_rank)
-        offset = 0
-        for p in self.trainable:
-            grad = p.unsharded_param.grad
-            block = columns[:, offset : offset + p.padded_numel]
-            _copy_padded_rows(block, grad, p)
-            p.unsharded_param.grad = None
-            offset += p.padded_numel
-        total_world = world * self.replicate_world
-        output = torch.empty(per_rank, dtype=reduce_dtype, device=self.compute_device)
-        pre, post = _divide_factors(total_world, reduce_dtype)
-        if pre != 1.0:
-            full.div_(pre)
-        work = _comm.reduce_scatter(output, full, self.shard_group, label=self.label)
+        pre, post = default_divide_factors(world * self.replicate_world)
+        # See [Note: Stream ordering] in _comm.py.
+        streams = self.streams
+        stream = streams.reduce_scatter
+        current = streams.current()
+        stream.wait_stream(current)
+        with streams.handle.stream(stream):
+            full = torch.empty(world * per_rank, dtype=reduce_dtype, device=self.compute_device)
+            columns = full.view(world, per_rank)
+            offset = 0
+            for p in self.trainable:
+                grad = p.unsharded_param.grad
+                if grad is not None:
+                    streams.handle.record_stream(grad, stream)
+                _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
+                p.unsharded_param.grad = None
+                offset += p.padded_numel
+            output = torch.empty(per_rank, dtype=reduce_dtype, device=self.compute_device)
+            work = reduce_scatter(
+                output,
+                full,
+                self.shard_group,
+                pre_divide=pre,
+                post_divide=post if self.replicate_group is None else 1.0,
+                async_op=True,
+                label=self.comm_label,
+            )
+            done = stream.record_event()
 
         def finish() -> None:
+            done.wait(streams.current())
             if self.replicate_group is not None:
                 if self._partial_reduce is not None:
                     output.add_(self._partial_reduce)
                     self._partial_reduce = None
-                if self.requires_all_reduce:
-                    _comm.all_reduce(output, self.replicate_group, label=self.label).wait()
-                else:
+                if not self.requires_all_reduce:
                     self._partial_reduce = output
                     return
-            if post != 1.0:
-                output.div_(post)
+                all_reduce(
+                    output,
+                    self.replicate_group,
+                    pre_divide=1.0,
+                    post_divide=post,
+                    label=self.comm_label,
+                ).wait()
             self._accumulate(output)
 
         return PendingReduce(work, finish, keep_alive=(full,))
@@ -308,24 +348,6 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
     rest = dim0 - full_ranks * rows
     if rest:
         block[full_ranks, : rest * p.row_numel].copy_(grad[full_ranks * rows :].reshape(-1))
-
-
-def _divide_factors(world: int, dtype: torch.dtype) -> tuple[float, float]:
-    """Split the average's division into before/after communication factors.
-
-    fp32 and wider divide once, after the sum, which is exact in the same way a
-    single process averaging a concatenated batch is. Narrower dtypes divide
-    by a power of two near sqrt(world) before the sum to stay in range, and by
-    the rest after.
-    """
-    if world == 1:
-        return 1.0, 1.0
-    if dtype in (torch.float32, torch.float64):
-        return 1.0, float(world)
-    pre = 1
-    while world % (pre * 2) == 0 and (pre * 2) ** 2 <= world:
-        pre *= 2
-    return float(pre), float(world) / pre
 
 
 class _preserve_versions:
