@@ -164,8 +164,9 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
         "RuntimeError: fully_shard: the forward of Linear ('0') ran before the first forward "
         "of the root sharded module Sequential; run the root module's forward first"
     )
-    assert errors["int_reshard"].startswith(
-        "NotImplementedError: fully_shard: reshard_after_forward=3"
+    assert errors["int_reshard"] == (
+        "ValueError: fully_shard: reshard_after_forward must be True, False or an int that "
+        "divides the shard axis size 1 (the group size to reshard to after forward), got 3"
     )
 
 

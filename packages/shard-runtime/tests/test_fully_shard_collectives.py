@@ -68,6 +68,38 @@ def test_counts_per_step(rank_pool: RankPool, reshard: bool, backward_gathers: i
         assert result["labels"] == ["1", "2", "3", "Sequential"]
 
 
+def _post_forward_group(size: int) -> dict[str, Any]:
+    from shard_runtime._state import get_state
+
+    model = _model()
+    blocks = list(model)[1:4]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=size)
+    fully_shard(model, reshard_after_forward=size)
+    loss = model(torch.randn(3, 4)).sum()
+    states = [get_state(block) for block in blocks]
+    kept = [s.unit._post_forward_shard.numel() for s in states if s is not None]
+    per_rank = [sum(p.padded_numel for p in s.unit.params) for s in states if s is not None]
+    with count_collectives() as backward:
+        loss.backward()
+    return {
+        "kept": kept,
+        "per_rank": per_rank,
+        "backward_gather_bytes": backward.bytes("all_gather"),
+        "backward_gathers": backward.calls("all_gather"),
+        "after": [s.unit._post_forward_shard for s in states if s is not None],
+    }
+
+
+def test_reshard_to_smaller_group(rank_pool: RankPool) -> None:
+    """reshard_after_forward=2 on 4 ranks keeps half the parameters after forward for backward."""
+    for result in rank_pool.run(_post_forward_group, 4, 2):
+        assert result["kept"] == [2 * n for n in result["per_rank"]]
+        assert result["backward_gathers"] == 3
+        assert result["backward_gather_bytes"] == sum(4 * 4 * n for n in result["per_rank"])
+        assert result["after"] == [None, None, None]
+
+
 def test_counts_hybrid(rank_pool: RankPool) -> None:
     """On a 2x2 mesh each unit also all-reduces its reduced shard once across replicas."""
     for result in rank_pool.run(_count, 4, True, True):

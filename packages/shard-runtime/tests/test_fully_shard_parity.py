@@ -145,9 +145,10 @@ def test_parity_world_sizes(rank_pool: RankPool, world: int, reshard: bool) -> N
     _check(rank_pool.run(_train, world, {"reshard": reshard}), world)
 
 
-def test_parity_reshard_after_forward_int(rank_pool: RankPool) -> None:
-    """reshard_after_forward equal to the shard size behaves as True."""
-    _check(rank_pool.run(_train, 2, {"reshard": 2}), 2)
+@pytest.mark.parametrize(("world", "reshard"), [(2, 2), (4, 2), (4, 1)])
+def test_parity_reshard_after_forward_int(rank_pool: RankPool, world: int, reshard: int) -> None:
+    """An int reshard_after_forward (the shard size, a smaller group, or 1) trains identically."""
+    _check(rank_pool.run(_train, world, {"reshard": reshard}), world)
 
 
 def test_parity_hybrid_2x2(rank_pool: RankPool) -> None:

@@ -24,7 +24,7 @@ from shard_core.protocols import EventLike
 from shard_runtime._options import MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
 from shard_runtime._state import ShardState, get_state
-from shard_runtime._unit import Unit
+from shard_runtime._unit import PostForwardGroup, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -209,7 +209,10 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the full parameters after forward
             and gathers them again for backward; ``False`` keeps them until the
             end of backward (no second all-gather). The root always keeps them.
-            An int equal to the shard axis size means ``True``, 1 means ``False``.
+            An int that divides the shard axis size reshards to groups of that many
+            consecutive ranks after forward (each keeps 1/int of the parameters),
+            so the backward all-gather stays within the group; the axis size
+            itself means ``True``, 1 means ``False``.
         mp_policy: dtypes of compute, reduction and outputs.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
         ignored_params: parameters left alone (neither sharded nor reduced).
@@ -224,7 +227,9 @@ def fully_shard(
         _check_has_forward(m)
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh)
-    keep_after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
+    keep_after_forward, post_forward_size = _resolve_reshard_after_forward(
+        reshard_after_forward, mesh
+    )
     compute_device = _compute_device(mesh)
     shard_device = (
         torch.device("cpu") if type(offload_policy) is not OffloadPolicy else compute_device
@@ -243,6 +248,9 @@ def fully_shard(
         mesh=mesh,
         mp_policy=mp_policy,
         compute_device=compute_device,
+        post_forward=(
+            None if post_forward_size is None else _post_forward_group(mesh, post_forward_size)
+        ),
     )
     for (_, param, _), sp in zip(params, sharded, strict=True):
         setattr(param, _SHARDED_BY_ATTR, unit)
@@ -342,19 +350,44 @@ def _check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> bool:
-    """Whether full parameters are kept after forward."""
+def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[bool, int | None]:
+    """(whether full parameters are kept after forward, size of the post-forward group)."""
     if isinstance(value, bool):
-        return not value
+        return not value, None
     shard_size = mesh.size(-1)
+    if not isinstance(value, int) or value < 1 or shard_size % value != 0:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward must be True, False or an int that divides the "
+            f"shard axis size {shard_size} (the group size to reshard to after forward), got "
+            f"{value!r}"
+        )
     if value == shard_size:
-        return False
+        return False, None
     if value == 1:
-        return True
-    raise NotImplementedError(
-        f"fully_shard: reshard_after_forward={value} (reshard to a smaller group after "
-        f"forward) is not supported yet; use True, False, {shard_size} or 1"
-    )
+        return True, None
+    return False, value
+
+
+_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
+
+
+def _post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
+    """This rank's group of ``size`` consecutive ranks along the mesh's shard axis."""
+    shard_world = mesh.size(-1)
+    rows = mesh.mesh.reshape(-1, shard_world).tolist()
+    layout = tuple(tuple(row[i : i + size]) for row in rows for i in range(0, shard_world, size))
+    groups = _POST_FORWARD_GROUPS.get(layout)
+    if groups is None:
+        # Every rank creates every group, in the same order (new_group is collective).
+        groups = [dist.new_group(list(ranks)) for ranks in layout]
+        _POST_FORWARD_GROUPS[layout] = groups
+    rank = dist.get_rank()
+    for ranks, group in zip(layout, groups, strict=True):
+        if rank in ranks:
+            return PostForwardGroup(
+                group=group, size=size, index=ranks.index(rank), rows=shard_world // size
+            )
+    raise ValueError(f"fully_shard: rank {rank} is not in the mesh {mesh}")
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

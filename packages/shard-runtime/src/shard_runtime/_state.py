@@ -182,7 +182,10 @@ class ShardState:
             self._forwards_done.clear()
             # See [Note: the root]: it keeps its parameters for backward, not for eval.
             if self.reshard_after_forward and not (self.is_root and grad_enabled):
-                self.unit.reshard()
+                if grad_enabled:
+                    self.unit.reshard_post_forward()
+                else:
+                    self.unit.reshard()
         if self not in root.post_forward_order:
             root.post_forward_order.append(self)
         if grad_enabled:
@@ -212,7 +215,7 @@ class ShardState:
         self.unit.training_state = TrainingState.PRE_BACKWARD
         self.unit.unshard()
         for target in self._backward_prefetch_targets():
-            if target.unit.sharded_state is ShardedState.SHARDED:
+            if target.unit.sharded_state is not ShardedState.UNSHARDED:
                 target.unit.unshard(async_op=True)
 
     def _backward_prefetch_targets(self) -> list[ShardState]:
@@ -254,7 +257,9 @@ class ShardState:
                 unit.sharded_state is ShardedState.UNSHARDED or unit.has_unsharded_grads()
             ):
                 state._post_backward()
-            elif unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward:
+            elif unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (
+                unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
+            ):
                 unit.reshard()
         self._queue_reduce(None)
         for state in self.all_states:

@@ -39,6 +39,27 @@ class ShardedState(enum.Enum):
     SHARDED = enum.auto()
     # Full parameters registered and holding data (forward/backward compute).
     UNSHARDED = enum.auto()
+    # After forward with an int reshard_after_forward: sharded parameters
+    # registered, and a shard over the smaller post-forward group kept for the
+    # backward all-gather.
+    SHARDED_POST_FORWARD = enum.auto()
+
+
+@dataclass(frozen=True, slots=True)
+class PostForwardGroup:
+    """The smaller group a unit reshards to after forward (``reshard_after_forward=int``).
+
+    The shard axis of ``world`` ranks is cut into consecutive groups of
+    ``size`` ranks; this rank is member ``index`` of its group and keeps
+    ``world // size`` of the full all-gather's per-rank blocks, the ones at
+    ``[index * rows, (index + 1) * rows)``. Gathering those over the group
+    rebuilds exactly the full all-gather's output.
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    index: int
+    rows: int
 
 
 class TrainingState(enum.Enum):
@@ -97,8 +118,10 @@ class Unit:
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     reshard_after_backward: bool = True
+    post_forward: PostForwardGroup | None = None
     # - communication in flight
     _pending_gather: _PendingGather | None = None
+    _post_forward_shard: torch.Tensor | None = None  # 1D, rows * per_rank
     _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
     _grads_ready: int = 0
     _post_event: EventLike | None = None
@@ -186,25 +209,33 @@ class Unit:
             stream.wait_stream(streams.current())
         per_rank = sum(p.padded_numel for p in self.params)
         with streams.handle.stream(stream):
-            send = torch.empty(per_rank, dtype=self.gather_dtype, device=self.compute_device)
-            offset = 0
-            for p in self.params:
-                send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
-                offset += p.padded_numel
+            if self._post_forward_shard is not None:
+                assert self.post_forward is not None
+                send, group = self._post_forward_shard, self.post_forward.group
+            else:
+                send, group = self._copy_in_shards(per_rank), self.shard_group
             output = torch.empty(
                 per_rank * self.shard_world, dtype=self.gather_dtype, device=self.compute_device
             )
-            work = all_gather(output, send, self.shard_group, async_op=True, label=self.comm_label)
+            work = all_gather(output, send, group, async_op=True, label=self.comm_label)
             issued = stream.record_event()
         self._pending_gather = _PendingGather(work, output, send, issued)
         if not async_op:
             self.wait_for_unshard()
 
+    def _copy_in_shards(self, per_rank: int) -> torch.Tensor:
+        send = torch.empty(per_rank, dtype=self.gather_dtype, device=self.compute_device)
+        offset = 0
+        for p in self.params:
+            send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
+            offset += p.padded_numel
+        return send
+
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and register the full parameters."""
         pending = self._pending_gather
         if pending is None:
-            if self.sharded_state is ShardedState.SHARDED and self.params:
+            if self.sharded_state is not ShardedState.UNSHARDED and self.params:
                 self.unshard()
             return
         self._pending_gather = None
@@ -226,6 +257,7 @@ class Unit:
                 )
         for p in self.params:
             p.to_unsharded()
+        self._post_forward_shard = None
         self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -235,7 +267,26 @@ class Unit:
         for p in self.params:
             p.to_sharded()
             p.free_unsharded()
+        self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """Reshard after forward: fully, or to the smaller post-forward group when one is set."""
+        pf = self.post_forward
+        if pf is None or self.sharded_state is not ShardedState.UNSHARDED or not self.params:
+            self.reshard()
+            return
+        per_rank = sum(p.padded_numel for p in self.params)
+        kept = torch.empty(pf.rows * per_rank, dtype=self.gather_dtype, device=self.compute_device)
+        columns = kept.view(pf.rows, per_rank)
+        rows = slice(pf.index * pf.rows, (pf.index + 1) * pf.rows)
+        offset = 0
+        for p in self.params:
+            columns[:, offset : offset + p.padded_numel].copy_(p.unsharded_rows_view()[rows])
+            offset += p.padded_numel
+        self.reshard()
+        self._post_forward_shard = kept
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _check_materialized(self) -> None:
         on_meta = [p.fqn for p in self.params if p.padded_shard.device.type == "meta"]
