@@ -178,7 +178,7 @@ def _rank_errors() -> list[str]:
     for attempt in attempts:
         try:
             attempt()
-        except ValueError as exc:
+        except sc.CommError as exc:
             messages.append(str(exc))
         else:
             messages.append("no error")
@@ -439,7 +439,7 @@ def test_broadcast_copies_the_source_rank(rank_pool: Any, world_size: int) -> No
 
 
 def test_collectives_name_the_mismatch_and_the_fix(rank_pool: Any) -> None:
-    """Each bad call raises a ValueError naming the sizes seen and what to do."""
+    """Each bad call raises a CommError (a ValueError) naming the sizes seen and what to do."""
     messages = rank_pool.run(_rank_errors, 2)[0]
     assert messages == [
         "all_gather: output has 3 elements but 2 ranks each contributing a shard of 2 need 4; "
@@ -460,7 +460,11 @@ def test_collective_without_process_group_says_to_initialise(
 ) -> None:
     """Without a process group or an explicit group, a collective says to call init_distributed."""
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    with pytest.raises(RuntimeError, match=re.escape("all_gather: torch.distributed is not")):
+    message = (
+        "all_gather: torch.distributed is not initialised and no group was given; "
+        "call shard_comms.init_distributed() first"
+    )
+    with pytest.raises(sc.DistributedInitError, match=f"^{re.escape(message)}$"):
         sc.all_gather(torch.empty(2), torch.empty(2))
 
 
@@ -481,14 +485,16 @@ def test_resolve_divide_factors_completes_and_checks_the_pair() -> None:
     assert sc.resolve_divide_factors("sum", 8, None, None) == (1.0, 1.0)
     assert sc.resolve_divide_factors("sum", 8, 2.0, None) == (2.0, 1.0)
     with pytest.raises(
-        ValueError, match=re.escape("needs pre_divide * post_divide == 8, got 2.0 * 2.0")
+        sc.CommError, match=re.escape("needs pre_divide * post_divide == 8, got 2.0 * 2.0")
     ):
         sc.resolve_divide_factors("avg", 8, 2.0, 2.0)
     with pytest.raises(
-        ValueError, match=re.escape("pre_divide must be a positive number, got 0.0")
+        sc.CommError, match=re.escape("pre_divide must be a positive number, got 0.0")
     ):
         sc.resolve_divide_factors("avg", 8, 0.0, None)
-    with pytest.raises(ValueError, match=re.escape("unknown reduce op 'max'; use 'sum' or 'avg'")):
+    with pytest.raises(
+        sc.CommError, match=re.escape("unknown reduce op 'max'; use 'sum' or 'avg'")
+    ):
         sc.resolve_divide_factors("max", 8, None, None)
 
 

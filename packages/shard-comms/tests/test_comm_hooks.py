@@ -154,7 +154,7 @@ def test_reduce_gradient_checks_sizes_before_the_hook() -> None:
         "reduce_gradient: grad has 5 elements but an output of 2 over 2 ranks needs 4; pad "
         "the flat gradient to a multiple of the world size"
     )
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(sc.CommError, match=re.escape(message)):
         sc.reduce_gradient(torch.zeros(5), torch.zeros(2), _Two())  # type: ignore[arg-type]
 
 

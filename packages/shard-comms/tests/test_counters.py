@@ -141,7 +141,7 @@ def test_unknown_kind_is_rejected() -> None:
         "unknown collective kind 'gather'; the kinds counted are all_gather, reduce_scatter, "
         "all_reduce, broadcast"
     )
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(sc.CommError, match=re.escape(message)):
         sc.comm_counters().stats("gather")
 
 

@@ -7,6 +7,7 @@ adopting an existing group is tested on the rank pool.
 
 from __future__ import annotations
 
+import os
 import re
 from datetime import timedelta
 from typing import Any
@@ -320,3 +321,52 @@ def test_init_adopts_an_existing_group(rank_pool: Any, world_size: int) -> None:
             f"with backend 'gloo' (rank {rank} of {world_size}); drop the argument, or call "
             "torch.distributed.destroy_process_group() first"
         )
+
+
+# ---------------------------------------------------------------------------
+# A real world of one (rank pool)
+# ---------------------------------------------------------------------------
+
+
+def _rank_init_world_of_one(seconds: float) -> dict[str, Any]:
+    """Leave the pool's group, then init_distributed with no launch variables, for real."""
+    dist.destroy_process_group()
+    for key in LAUNCH_VARS:
+        os.environ.pop(key, None)  # the worker restores its environment after the run
+    _init._STATE = None
+    _init._STATE_GROUP = None
+    state = sc.init_distributed(timeout=seconds)
+    again = sc.init_distributed()
+    world = dist.group.WORLD
+    assert world is not None
+    tensor = torch.ones(3)
+    dist.all_reduce(tensor)
+    result = {
+        "state": state,
+        "same": again is state,
+        "group": (dist.get_backend(), dist.get_rank(), dist.get_world_size()),
+        "timeout": world._get_backend(torch.device("cpu")).options._timeout,
+        "all_reduce": tensor.tolist(),
+    }
+    dist.destroy_process_group()
+    _init._STATE = None
+    _init._STATE_GROUP = None
+    return result
+
+
+def test_init_without_launch_variables_creates_a_real_world_of_one(rank_pool: Any) -> None:
+    """With no launch variables a real gloo group of one comes up with the timeout given."""
+    (result,) = rank_pool.run(_rank_init_world_of_one, 1, 17.0)
+    assert result["state"] == sc.DistributedState(
+        backend="gloo",
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        timeout=timedelta(seconds=17),
+        adopted=False,
+    )
+    assert result["same"] is True
+    assert result["group"] == ("gloo", 0, 1)
+    assert result["timeout"] == timedelta(seconds=17)
+    assert result["all_reduce"] == [1.0, 1.0, 1.0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shard_comms
+import shard_core.errors
 
 
 def test_all_is_sorted_and_every_name_exists() -> None:
@@ -33,3 +34,10 @@ def test_the_names_the_runtime_relies_on_are_public() -> None:
         "clear_buffer_cache",
     }
     assert required - set(shard_comms.__all__) == set()
+
+
+def test_errors_are_shard_core_classes() -> None:
+    """MeshError, DistributedInitError and CommError are shard_core.errors' classes, re-exported."""
+    assert shard_comms.MeshError is shard_core.errors.MeshError
+    assert shard_comms.DistributedInitError is shard_core.errors.DistributedInitError
+    assert shard_comms.CommError is shard_core.errors.CommError

@@ -9,6 +9,7 @@ import torch
 
 from shard_core import CpuDeviceHandle
 from shard_core import _cpu as cpu_module
+from shard_core.errors import DeviceMismatchError
 from shard_core.protocols import DeviceHandle, EventLike, StreamLike
 
 MIB = 1 << 20
@@ -43,9 +44,9 @@ def test_cpu_handle_set_device_accepts_cpu_and_indices() -> None:
 
 
 def test_cpu_handle_set_device_rejects_other_device_types() -> None:
-    """Asking the CPU handle to make a CUDA device current names the device type to resolve."""
+    """Making a CUDA device current is a DeviceMismatchError naming the device type to resolve."""
     with pytest.raises(
-        ValueError,
+        DeviceMismatchError,
         match=r"^the CPU device handle cannot make cuda:1 current; "
         r"resolve the handle for device type 'cuda' instead$",
     ):

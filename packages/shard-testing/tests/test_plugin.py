@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -54,3 +56,25 @@ def test_shard_pool_timeout_is_documented_in_help(pytester: pytest.Pytester) -> 
     """pytest --help lists the option under the shard-testing group."""
     result = pytester.runpytest_inprocess("--help")
     result.stdout.fnmatch_lines(["shard multi-rank tests:", "*--shard-pool-timeout=SECONDS*"])
+
+
+_PID_RECORDING_TEST = """
+import os
+
+
+def test_records_the_worker_pid(rank_pool):
+    with open({path!r}, "w") as file:
+        file.write(str(rank_pool.run(os.getpid, 1)[0]))
+"""
+
+
+def test_workers_are_gone_when_the_session_ends(pytester: pytest.Pytester) -> None:
+    """A worker started by a session's rank_pool no longer exists once that session is over."""
+    path = pytester.path / "pid.txt"
+    pytester.makepyfile(_PID_RECORDING_TEST.format(path=str(path)))
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    pid = int(path.read_text())
+    assert pid != os.getpid()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

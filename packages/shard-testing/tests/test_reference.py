@@ -179,10 +179,13 @@ def test_make_batches_rejects_non_positive_counts() -> None:
 
 
 def test_assert_state_dicts_equal_accepts_close_values() -> None:
-    """Equal keys and values within default tolerances pass."""
+    """Values one fp32 ulp apart pass at default tolerances, though exact equality sees them."""
     expected = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}
-    actual = {"w": torch.tensor([1.0, 2.0 + 1e-7]), "b": torch.tensor(3.0)}
+    actual = {"w": torch.tensor([1.0, 2.0 + 2.0**-22]), "b": torch.tensor(3.0)}
+    assert not torch.equal(actual["w"], expected["w"])
     assert_state_dicts_equal(actual, expected)
+    with pytest.raises(AssertionError, match=r"^state dicts differ in 1 of 2 entries \['w'\]"):
+        assert_state_dicts_equal(actual, expected, rtol=0.0, atol=0.0)
 
 
 def test_assert_state_dicts_equal_names_the_first_differing_entry() -> None:

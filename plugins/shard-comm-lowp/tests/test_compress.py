@@ -40,6 +40,10 @@ class SimulatedReducer:
         return len(self.peers)
 
     @property
+    def data_parallel_size(self) -> int:
+        return len(self.peers)
+
+    @property
     def pre_divide(self) -> float:
         return self._pre
 

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 import shard_wrap_example
-from shard_core import Registry, make_plugin_manager, plan_wraps
+from shard_core import Registry, WrapPlanError, make_plugin_manager, plan_wraps
 from shard_core.protocols import WrapPolicy
 from shard_wrap_example import NamePatternPolicy
 from shard_wrap_example import plugin as example_plugin
@@ -61,9 +61,9 @@ def test_name_pattern_matches_the_whole_name() -> None:
 
 
 def test_invalid_pattern_is_rejected_with_the_pattern() -> None:
-    """A pattern that is not a regular expression is refused, naming it."""
+    """A pattern that is not a regular expression is a WrapPlanError naming it."""
     with pytest.raises(
-        ValueError,
+        WrapPlanError,
         match=r"^name_pattern: pattern 'layers\.\(' is not a valid regular expression: "
         r"missing \), unterminated subpattern at position 7$",
     ):
@@ -71,9 +71,9 @@ def test_invalid_pattern_is_rejected_with_the_pattern() -> None:
 
 
 def test_non_string_pattern_is_rejected() -> None:
-    """A pattern that is not a str is refused with the value seen."""
+    """A pattern that is not a str is a WrapPlanError with the value seen."""
     with pytest.raises(
-        TypeError,
+        WrapPlanError,
         match=r"^name_pattern: pattern must be a str \(a regular expression\), got 3 \(int\)$",
     ):
         NamePatternPolicy(3)  # type: ignore[arg-type]

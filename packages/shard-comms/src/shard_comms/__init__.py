@@ -31,7 +31,6 @@ from shard_comms._counters import (
     reset_comm_counters,
 )
 from shard_comms._device import clear_device_handle_cache, get_device_handle
-from shard_comms._errors import DistributedInitError, MeshError
 from shard_comms._hooks import (
     DefaultGradReducer,
     default_comm_hook,
@@ -49,6 +48,7 @@ from shard_comms._init import (
 )
 from shard_comms._mesh import build_mesh, mesh_groups
 from shard_comms._version import __version__
+from shard_core.errors import CommError, DistributedInitError, MeshError
 
 __all__ = [
     "BufferCacheInfo",
@@ -56,6 +56,7 @@ __all__ = [
     "CollectiveKind",
     "CollectiveStats",
     "CommCounts",
+    "CommError",
     "CommHandle",
     "DefaultGradReducer",
     "DistributedInitError",

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shard_core.errors import CommError
+
 __all__ = [
     "BufferCache",
     "BufferCacheInfo",
@@ -152,7 +154,7 @@ def _max_bytes_from_env() -> int:
     try:
         mebibytes = int(raw)
     except ValueError:
-        raise ValueError(
+        raise CommError(
             f"SHARD_COMM_BUFFER_CACHE_MB={raw!r} is not an integer; set it to the "
             "number of mebibytes the staging-buffer cache may keep (0 disables it)"
         ) from None

@@ -60,6 +60,7 @@ from torch.profiler import record_function
 
 from shard_comms._buffers import buffer_cache
 from shard_comms._counters import CollectiveKind, record_collective
+from shard_core.errors import CommError, DistributedInitError
 
 __all__ = [
     "CommHandle",
@@ -138,7 +139,7 @@ def default_divide_factors(world_size: int) -> tuple[float, float]:
     See [Note: Divide factors]. ``pre * post == world_size``.
     """
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
+        raise CommError(f"world_size must be at least 1, got {world_size}")
     pre = 1
     while world_size % (pre * 2) == 0 and (pre * 2) ** 2 <= world_size:
         pre *= 2
@@ -157,14 +158,14 @@ def resolve_divide_factors(
     """
     for name, value in (("pre_divide", pre_divide), ("post_divide", post_divide)):
         if value is not None and not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value}")
+            raise CommError(f"{name} must be a positive number, got {value}")
     if op == "sum":
         return (
             1.0 if pre_divide is None else float(pre_divide),
             1.0 if post_divide is None else float(post_divide),
         )
     if op != "avg":
-        raise ValueError(f"unknown reduce op {op!r}; use 'sum' or 'avg'")
+        raise CommError(f"unknown reduce op {op!r}; use 'sum' or 'avg'")
     if pre_divide is None and post_divide is None:
         return default_divide_factors(world_size)
     if pre_divide is None:
@@ -173,7 +174,7 @@ def resolve_divide_factors(
     if post_divide is None:
         return float(pre_divide), world_size / pre_divide
     if not math.isclose(pre_divide * post_divide, world_size):
-        raise ValueError(
+        raise CommError(
             f"op='avg' over {world_size} ranks needs pre_divide * post_divide == {world_size}, "
             f"got {pre_divide} * {post_divide}; pass one of them, or use op='sum' to scale freely"
         )
@@ -184,7 +185,7 @@ def _size_rank(group: ProcessGroup | None, caller: str) -> tuple[int, int]:
     if group is not None:
         return group.size(), group.rank()
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise DistributedInitError(
             f"{caller}: torch.distributed is not initialised and no group was given; "
             "call shard_comms.init_distributed() first"
         )
@@ -200,7 +201,7 @@ def _profiler_range(kind: CollectiveKind, label: str | None) -> AbstractContextM
 
 def _check_contiguous(tensor: torch.Tensor, caller: str, what: str) -> None:
     if not tensor.is_contiguous():
-        raise ValueError(
+        raise CommError(
             f"{caller}: {what} must be contiguous (it is written in place); "
             "pass a contiguous tensor, e.g. a view of a flat buffer"
         )
@@ -260,7 +261,7 @@ def all_gather(
     size, _ = _size_rank(group, "all_gather")
     numel = shard.numel()
     if output.numel() != numel * size:
-        raise ValueError(
+        raise CommError(
             f"all_gather: output has {output.numel()} elements but {size} ranks each "
             f"contributing a shard of {numel} need {numel * size}; size the output as "
             "world size * shard elements"
@@ -309,7 +310,7 @@ def all_gather_many(
     call, and copied out.
     """
     if len(outputs) != len(shards):
-        raise ValueError(
+        raise CommError(
             f"all_gather_many: {len(outputs)} outputs for {len(shards)} shards; "
             "pass one output per shard"
         )
@@ -319,7 +320,7 @@ def all_gather_many(
     sizes = [shard.numel() for shard in shards]
     for index, (output, numel) in enumerate(zip(outputs, sizes, strict=True)):
         if output.numel() != numel * size:
-            raise ValueError(
+            raise CommError(
                 f"all_gather_many: outputs[{index}] has {output.numel()} elements but the "
                 f"shards[{index}] of {size} ranks make {numel * size}; size each output as "
                 "world size * its shard's elements"
@@ -374,7 +375,7 @@ def _use_all_reduce(algorithm: ReduceAlgorithm, device: torch.device) -> bool:
         return True
     if algorithm == "reduce_scatter":
         return False
-    raise ValueError(
+    raise CommError(
         f"unknown reduce-scatter algorithm {algorithm!r}; use 'auto', 'reduce_scatter' "
         "or 'all_reduce'"
     )
@@ -410,6 +411,38 @@ def _copy_out_pieces(
             output.view(-1).copy_(piece)
 
 
+def _issue_reduce_scatter(
+    source: torch.Tensor,
+    rank: int,
+    size: int,
+    group: ProcessGroup | None,
+    *,
+    use_all_reduce: bool,
+    into: torch.Tensor | None,
+    async_op: bool,
+    label: str | None,
+) -> tuple[dist.Work | None, torch.Tensor, torch.Tensor | None]:
+    """Reduce-scatter the flat, pre-divided ``source`` over ``size`` ranks; count it once.
+
+    Returns the work, the tensor that holds (after the work) this rank's
+    reduced slice, and the leased staging buffer behind it, if any (to be
+    released when finished). The slice lands in ``into`` when it is given and
+    the backend scatters natively. See [Note: Reduce-scatter on gloo].
+    """
+    n = source.numel() // size
+    with _profiler_range("reduce_scatter", label):
+        record_collective("reduce_scatter", source.numel() * source.element_size(), label, size)
+        if use_all_reduce:
+            work = dist.all_reduce(source, group=group, async_op=async_op)
+            return work, source[rank * n : (rank + 1) * n], None
+        out_base = None
+        if into is None:
+            out_base = buffer_cache().acquire(n, source.dtype, source.device)
+            into = out_base[:n]
+        work = dist.reduce_scatter_single(into, source, group=group, async_op=async_op)
+        return work, into, out_base
+
+
 def reduce_scatter(
     output: torch.Tensor,
     grad: torch.Tensor,
@@ -425,24 +458,23 @@ def reduce_scatter(
 ) -> CommHandle:
     """Reduce the flat ``grad`` across ranks and leave this rank's slice in ``output``.
 
-        ``grad`` has ``group size * output.numel()`` elements; rank ``r`` receives
-        elements ``[r * n, (r + 1) * n)`` of the sum. The reduction runs in
-        ``reduce_dtype`` (the gradient's dtype when ``None``); ``output`` may be
-        in another dtype. ``op`` and the factors: see :func:`resolve_divide_factors`
-        and [Note: Divide factors]. ``grad`` is scratch afterwards (see
-        [Note: Profiler ranges]
-    Every collective runs inside a profiler range ``shard::<kind> (<label>)``, but
-    only while a profiler is recording: an open ``record_function`` around a gloo
-    collective measured 50-100 us per call at 1 MiB (``tools/bench``), 10% of
-    the collective, for a range nobody reads.
+    ``grad`` has ``group size * output.numel()`` elements; rank ``r`` receives
+    elements ``[r * n, (r + 1) * n)`` of the sum. The reduction runs in
+    ``reduce_dtype`` (the gradient's dtype when ``None``); ``output`` may be
+    in another dtype. ``op`` and the factors: see :func:`resolve_divide_factors`
+    and [Note: Divide factors]. ``grad`` is scratch afterwards (see
+    [Note: Gradients are scratch]). ``algorithm`` picks the implementation
+    (see [Note: Reduce-scatter on gloo]).
 
-    [Note: Gradients are scratch]); ``algorithm`` picks the implementation
-        (see [Note: Reduce-scatter on gloo]).
+    Raises:
+        CommError: ``grad`` does not split into ``output``-sized pieces over
+            the group, ``output`` is not contiguous, or ``op``, ``algorithm``
+            or the factors are invalid.
     """
     size, rank = _size_rank(group, "reduce_scatter")
     n = output.numel()
     if grad.numel() != n * size:
-        raise ValueError(
+        raise CommError(
             f"reduce_scatter: grad has {grad.numel()} elements but an output of {n} on "
             f"{size} ranks needs {n * size}; pad the flat gradient to a multiple of the "
             "world size and size the output as its 1/world-size slice"
@@ -465,20 +497,16 @@ def reduce_scatter(
     if pre != 1.0:
         source.div_(pre)
     flat_out = output.view(-1)
-    out_base: torch.Tensor | None = None
-    nbytes = source.numel() * source.element_size()
-    with _profiler_range("reduce_scatter", label):
-        record_collective("reduce_scatter", nbytes, label, size)
-        if use_all_reduce:
-            work = dist.all_reduce(source, group=group, async_op=async_op)
-            destination = source[rank * n : (rank + 1) * n]
-        else:
-            if output.dtype == rdt:
-                destination = flat_out
-            else:
-                out_base = cache.acquire(n, rdt, output.device)
-                destination = out_base[:n]
-            work = dist.reduce_scatter_single(destination, source, group=group, async_op=async_op)
+    work, destination, out_base = _issue_reduce_scatter(
+        source,
+        rank,
+        size,
+        group,
+        use_all_reduce=use_all_reduce,
+        into=flat_out if output.dtype == rdt else None,
+        async_op=async_op,
+        label=label,
+    )
 
     def finish() -> None:
         if destination.data_ptr() != flat_out.data_ptr():
@@ -521,7 +549,7 @@ def reduce_scatter_many(
     :func:`reduce_scatter`; a single gradient goes straight to it.
     """
     if len(outputs) != len(grads):
-        raise ValueError(
+        raise CommError(
             f"reduce_scatter_many: {len(outputs)} outputs for {len(grads)} gradients; "
             "pass one output per gradient"
         )
@@ -542,7 +570,7 @@ def reduce_scatter_many(
     sizes = [output.numel() for output in outputs]
     for index, (grad, n) in enumerate(zip(grads, sizes, strict=True)):
         if grad.numel() != n * size:
-            raise ValueError(
+            raise CommError(
                 f"reduce_scatter_many: grads[{index}] has {grad.numel()} elements but "
                 f"outputs[{index}] of {n} on {size} ranks needs {n * size}; pad each "
                 "gradient to a multiple of the world size"
@@ -569,16 +597,16 @@ def reduce_scatter_many(
     )
     if pre != 1.0:
         source.div_(pre)
-    out_base: torch.Tensor | None = None
-    with _profiler_range("reduce_scatter", label):
-        record_collective("reduce_scatter", source.numel() * source.element_size(), label, size)
-        if use_all_reduce:
-            work = dist.all_reduce(source, group=group, async_op=async_op)
-            destination = source[rank * total : (rank + 1) * total]
-        else:
-            out_base = cache.acquire(total, rdt, device)
-            destination = out_base[:total]
-            work = dist.reduce_scatter_single(destination, source, group=group, async_op=async_op)
+    work, destination, out_base = _issue_reduce_scatter(
+        source,
+        rank,
+        size,
+        group,
+        use_all_reduce=use_all_reduce,
+        into=None,
+        async_op=async_op,
+        label=label,
+    )
 
     def finish() -> None:
         if post != 1.0:
@@ -655,7 +683,7 @@ def broadcast(
     """Copy ``tensor`` of the rank whose rank in ``group`` is ``src`` to every rank, in place."""
     size, _ = _size_rank(group, "broadcast")
     if not 0 <= src < size:
-        raise ValueError(f"broadcast: src={src} is not a rank of a group of size {size}")
+        raise CommError(f"broadcast: src={src} is not a rank of a group of size {size}")
     if size == 1:
         return _DONE
     _check_contiguous(tensor, "broadcast", "tensor")

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from shard_core.errors import CommError
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveKind",
@@ -141,7 +143,7 @@ class CommCounts:
 
 def _check_kind(kind: str) -> None:
     if kind not in COLLECTIVE_KINDS:
-        raise ValueError(
+        raise CommError(
             f"unknown collective kind {kind!r}; the kinds counted are {', '.join(COLLECTIVE_KINDS)}"
         )
 

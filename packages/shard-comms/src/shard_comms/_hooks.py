@@ -27,6 +27,7 @@ from shard_comms._collectives import (
     resolve_divide_factors,
 )
 from shard_core import get_registry
+from shard_core.errors import CommError
 from shard_core.protocols import CommHook, GradReducer
 
 __all__ = ["DefaultGradReducer", "default_comm_hook", "reduce_gradient", "resolve_comm_hook"]
@@ -56,7 +57,7 @@ class DefaultGradReducer:
     ``world_size`` is the size of ``group``: the number of pieces a sharded
     gradient is split into, so ``output`` has ``grad.numel() // world_size``
     elements. ``data_parallel_size`` counts every rank the gradient is
-    averaged over.
+    averaged over (see ``shard_core.protocols.GradReducer``).
     """
 
     __slots__ = (
@@ -96,6 +97,11 @@ class DefaultGradReducer:
     def world_size(self) -> int:
         """Size of the shard group: ``output`` is ``1 / world_size`` of ``grad``."""
         return self._world_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Every rank the gradient is reduced over: shard times replicate group size."""
+        return self._data_parallel_size
 
     @property
     def pre_divide(self) -> float:
@@ -148,11 +154,6 @@ class DefaultGradReducer:
         """The replicate group of a hybrid mesh, or ``None``."""
         return self._replicate_group
 
-    @property
-    def data_parallel_size(self) -> int:
-        """Every rank the gradient is reduced over: shard times replicate group size."""
-        return self._data_parallel_size
-
     def __repr__(self) -> str:
         return (
             f"DefaultGradReducer(world_size={self._world_size}, "
@@ -201,7 +202,7 @@ def reduce_gradient(
     is all-reduced in place.
     """
     if output is not None and grad.numel() != output.numel() * reducer.world_size:
-        raise ValueError(
+        raise CommError(
             f"reduce_gradient: grad has {grad.numel()} elements but an output of "
             f"{output.numel()} over {reducer.world_size} ranks needs "
             f"{output.numel() * reducer.world_size}; pad the flat gradient to a multiple of "

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
 from shard_comms._device import get_device_handle
-from shard_comms._errors import DistributedInitError
+from shard_core.errors import DistributedInitError
 from shard_core.protocols import DeviceHandle
 
 __all__ = [

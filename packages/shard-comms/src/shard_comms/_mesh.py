@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shard_comms._device import get_device_handle
-from shard_comms._errors import MeshError
+from shard_core.errors import MeshError
 
 __all__ = ["DEFAULT_AXIS_NAMES_1D", "DEFAULT_AXIS_NAMES_2D", "build_mesh", "mesh_groups"]
 

@@ -13,9 +13,9 @@ from shard_core._dim0 import (
 from shard_core._layout import FlatLayout, ParamShardInfo, ParamSpec, ShardMetadata
 from shard_core._policies import CustomPolicy, LambdaWrapPolicy, ModuleWrapPolicy
 from shard_core._version import __version__
-from shard_core._wrap_plan import WrapPlanError, WrapTarget, plan_wraps
+from shard_core._wrap_plan import WrapTarget, plan_wraps
+from shard_core.errors import PluginWarning, WrapPlanError
 from shard_core.plugin import (
-    PluginWarning,
     Registry,
     get_plugin_manager,
     get_registry,

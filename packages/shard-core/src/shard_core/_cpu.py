@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from shard_core.errors import DeviceMismatchError
 from shard_core.protocols import EventLike, StreamLike
 
 __all__ = ["CpuDeviceHandle"]
@@ -161,7 +162,7 @@ class CpuDeviceHandle:
     def set_device(self, device: torch.device | int) -> None:
         """Accept any CPU device or index (a no-op), so launch code can call it on every rank."""
         if isinstance(device, torch.device) and device.type != "cpu":
-            raise ValueError(
+            raise DeviceMismatchError(
                 f"the CPU device handle cannot make {device} current; "
                 f"resolve the handle for device type {device.type!r} instead"
             )

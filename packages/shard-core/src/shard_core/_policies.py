@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from shard_core._wrap_plan import WrapPlanError
+from shard_core.errors import WrapPlanError
 from shard_core.protocols import WrapDecision
 
 __all__ = ["CustomPolicy", "LambdaWrapPolicy", "ModuleWrapPolicy"]

@@ -15,20 +15,13 @@ from typing import Any
 
 from torch import nn
 
-from shard_core.errors import ShardError
+from shard_core.errors import WrapPlanError
 from shard_core.protocols import WrapPolicy
 
+# WrapPlanError lives in shard_core.errors; re-exported here for old imports.
 __all__ = ["WrapPlanError", "WrapTarget", "plan_wraps"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-class WrapPlanError(ShardError, ValueError):
-    """A wrap policy or a wrap plan cannot be built as asked.
-
-    Raised for a policy built from bad options, a policy answer that is not a
-    decision, and a unit that cannot exist (a container with no forward).
-    """
 
 
 @dataclass(frozen=True, slots=True)

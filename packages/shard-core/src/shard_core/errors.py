@@ -1,20 +1,33 @@
-"""The exceptions shard raises.
+"""The exceptions and warnings shard raises.
 
 Every error shard raises on bad input derives from :class:`ShardError` and
 from the built-in exception a Python user would expect (``ValueError`` for a
 bad argument, ``LookupError`` for an unknown name...), so existing ``except``
 clauses keep working. Messages name the culprit (module, parameter, plugin)
 and say what to do instead.
+
+All of them live here, in the bottom layer, whichever layer raises them: a
+plugin depends on ``shard-core`` only and must be able to catch (and raise)
+the same classes as the communication layer and the runtime. The packages
+that raise them re-export them where users look (``shard_comms.MeshError``,
+``shard_device_cuda.DeviceUnavailableError``...); those are the same classes.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CommError",
+    "DeviceMismatchError",
+    "DeviceUnavailableError",
+    "DistributedInitError",
     "LayoutError",
+    "MeshError",
     "PluginCollisionError",
     "PluginError",
+    "PluginWarning",
     "ShardError",
     "UnknownPluginNameError",
+    "WrapPlanError",
 ]
 
 
@@ -22,8 +35,22 @@ class ShardError(Exception):
     """Base class of every exception shard raises on purpose."""
 
 
+# - tensors and units
+
+
 class LayoutError(ShardError, ValueError):
     """Parameters cannot be laid out as asked (dtype, device, shape, contiguity)."""
+
+
+class WrapPlanError(ShardError, ValueError):
+    """A wrap policy or a wrap plan cannot be built as asked.
+
+    Raised for a policy built from bad options, a policy answer that is not a
+    decision, and a unit that cannot exist (a container with no forward).
+    """
+
+
+# - plugins
 
 
 class PluginError(ShardError, RuntimeError):
@@ -44,3 +71,47 @@ class UnknownPluginNameError(ShardError, LookupError):
     def __str__(self) -> str:
         # LookupError would quote the message like a dict key.
         return str(self.args[0]) if self.args else ""
+
+
+class PluginWarning(UserWarning):
+    """A plugin was skipped: it failed to load, or its hook raised or returned a malformed value."""
+
+
+# - devices
+
+
+class DeviceUnavailableError(ShardError, RuntimeError):
+    """A device handle was asked for device work this process or torch build cannot do.
+
+    No usable device of the handle's type is visible here (a torch build
+    without that backend, no device, or another accelerator current).
+    """
+
+
+class DeviceMismatchError(ShardError, ValueError):
+    """A device, tensor, stream or event of another device type was handed to a device handle."""
+
+
+# - communication
+
+
+class MeshError(ShardError, ValueError):
+    """A device mesh cannot be built as asked (shape, groups, node size, axis names)."""
+
+
+class DistributedInitError(ShardError, RuntimeError):
+    """The process group cannot be set up, or is not set up, as asked.
+
+    A launch environment that is incomplete or malformed, a second
+    ``init_distributed`` call that conflicts with the process group that
+    already exists, or a collective called before any process group exists.
+    """
+
+
+class CommError(ShardError, ValueError):
+    """A collective or a gradient reduction was handed arguments it cannot work with.
+
+    Tensor sizes that do not split over the group, a non-contiguous output,
+    an unknown reduce op or algorithm, divide factors that do not multiply to
+    the group size.
+    """

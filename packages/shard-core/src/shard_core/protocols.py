@@ -77,11 +77,30 @@ class GradReducer(Protocol):
     the rank's shard when the unit is sharded, an all-reduce in place when it
     is not, with the divide factors of the unit applied. It works in whatever
     dtype it is given, which is what lets a hook compress.
+
+    Two sizes describe it, and they differ under hybrid sharding (a 2-D
+    (replicate, shard) mesh), where the gradient is reduce-scattered over the
+    shard group and the shard then all-reduced across the replicate group:
+
+    - :attr:`world_size` is the size of the shard group, the number of pieces
+      a sharded gradient is cut into: ``output`` has
+      ``grad.numel() // world_size`` elements;
+    - :attr:`data_parallel_size` counts every rank whose gradient enters the
+      result, ``world_size`` times the number of replicas; averaging divides
+      by it (``pre_divide * post_divide == data_parallel_size`` for an
+      average).
+
+    Without a replicate axis both are the group size.
     """
 
     @property
     def world_size(self) -> int:
-        """Number of ranks the gradient is reduced over."""
+        """Size of the shard group: a sharded ``output`` is ``1 / world_size`` of ``grad``."""
+        ...
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks whose gradients are summed into the result: shard group size times replicas."""
         ...
 
     @property
@@ -95,11 +114,12 @@ class GradReducer(Protocol):
         ...
 
     def reduce(self, grad: torch.Tensor, output: torch.Tensor | None) -> None:
-        """Reduce ``grad`` across ranks.
+        """Reduce ``grad`` across all ``data_parallel_size`` ranks.
 
         With ``output`` (a tensor of ``grad.numel() // world_size`` elements,
-        same dtype as ``grad``), reduce-scatter into it; with ``None``,
-        all-reduce ``grad`` in place. Divide factors are applied here.
+        same dtype as ``grad``), reduce-scatter into it (then all-reduce it
+        across replicas); with ``None``, all-reduce ``grad`` in place. Divide
+        factors are applied here. ``grad`` may be used as scratch space.
         """
         ...
 

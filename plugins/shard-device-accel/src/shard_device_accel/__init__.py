@@ -1,6 +1,6 @@
 """Device handles for other accelerators (xpu, hpu, npu, mps) through torch.accelerator."""
 
-from shard_device_accel._errors import DeviceMismatchError, DeviceUnavailableError
+from shard_core.errors import DeviceMismatchError, DeviceUnavailableError
 from shard_device_accel._handle import (
     ACCELERATOR_TYPES,
     MEMORY_STAT_KEYS,
@@ -13,13 +13,13 @@ from shard_device_accel._version import __version__
 
 __all__ = [
     "ACCELERATOR_TYPES",
-    "MEMORY_STAT_KEYS",
     "AcceleratorDeviceHandle",
     "AcceleratorEvent",
     "AcceleratorStream",
     "AcceleratorType",
     "DeviceMismatchError",
     "DeviceUnavailableError",
+    "MEMORY_STAT_KEYS",
     "__version__",
     "accelerator_handle",
 ]

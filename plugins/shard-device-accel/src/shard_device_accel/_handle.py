@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shard_core.errors import DeviceMismatchError, DeviceUnavailableError
 from shard_core.protocols import DeviceHandle, EventLike, StreamLike
-from shard_device_accel._errors import DeviceMismatchError, DeviceUnavailableError
 from shard_device_accel._stream import AcceleratorEvent, AcceleratorStream, raw_stream
 
 __all__ = [

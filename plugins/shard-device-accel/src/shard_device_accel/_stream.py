@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from shard_core.errors import DeviceMismatchError
 from shard_core.protocols import EventLike, StreamLike
-from shard_device_accel._errors import DeviceMismatchError
 
 __all__ = ["AcceleratorEvent", "AcceleratorStream", "raw_event", "raw_stream"]
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from shard_core.errors import DeviceMismatchError, DeviceUnavailableError
 from shard_core.protocols import DeviceHandle, EventLike, StreamLike
-from shard_device_cuda._errors import DeviceMismatchError, DeviceUnavailableError
 from shard_device_cuda._stream import CudaEvent, CudaStream, new_cuda_event, raw_stream
 
 __all__ = ["MEMORY_STAT_KEYS", "CudaDeviceHandle"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from shard_core.errors import DeviceMismatchError
 from shard_core.protocols import EventLike, StreamLike
-from shard_device_cuda._errors import DeviceMismatchError
 
 __all__ = ["CudaEvent", "CudaStream", "new_cuda_event", "raw_event", "raw_stream"]
 

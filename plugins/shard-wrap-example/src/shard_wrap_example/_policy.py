@@ -12,6 +12,8 @@ import re
 
 from torch import nn
 
+from shard_core.errors import WrapPlanError
+
 __all__ = ["NamePatternPolicy"]
 
 
@@ -20,21 +22,23 @@ class NamePatternPolicy:
 
     ``pattern`` is a regular expression matched against the whole qualified
     name (``r"layers\\.\\d+"`` matches ``layers.0`` but not ``layers.0.mlp``).
-    Registered as ``"name_pattern"`` (option ``pattern=``).
+    Registered as ``"name_pattern"`` (option ``pattern=``). A pattern that is
+    not a string or not a valid regular expression raises
+    :class:`~shard_core.errors.WrapPlanError`, like every bad policy option.
     """
 
     __slots__ = ("_regex",)
 
     def __init__(self, pattern: str) -> None:
         if not isinstance(pattern, str):
-            raise TypeError(
+            raise WrapPlanError(
                 f"name_pattern: pattern must be a str (a regular expression), "
                 f"got {pattern!r} ({type(pattern).__name__})"
             )
         try:
             self._regex = re.compile(pattern)
         except re.error as exc:
-            raise ValueError(
+            raise WrapPlanError(
                 f"name_pattern: pattern {pattern!r} is not a valid regular expression: {exc}"
             ) from exc
 

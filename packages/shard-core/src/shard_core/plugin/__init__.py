@@ -5,13 +5,9 @@ Plugins implement the hooks in :mod:`shard_core.plugin.hookspecs` with
 code reads what they provide through :func:`get_registry`.
 """
 
+from shard_core.errors import PluginWarning
 from shard_core.plugin._global import get_plugin_manager, get_registry, reset_plugin_manager
-from shard_core.plugin._manager import (
-    BUILTINS_NAME,
-    PluginOrigin,
-    PluginWarning,
-    make_plugin_manager,
-)
+from shard_core.plugin._manager import BUILTINS_NAME, PluginOrigin, make_plugin_manager
 from shard_core.plugin._registry import Registry
 from shard_core.plugin.hookspecs import PROJECT_NAME, hookimpl, hookspec
 

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import pluggy
 
 from shard_core._version import __version__
+from shard_core.errors import PluginWarning
 from shard_core.plugin import _builtins, hookspecs
 from shard_core.plugin.hookspecs import PROJECT_NAME
 
@@ -55,10 +56,6 @@ logger = logging.getLogger("shard.plugin")
 # SHARD_TRACE_PLUGINS: "1" (or true/yes/on) logs every plugin loaded or
 # skipped and every hook call with its result, at DEBUG level on the
 # "shard.plugin" logger (which then prints to stderr unless logging is set up).
-
-
-class PluginWarning(UserWarning):
-    """A plugin was skipped: it failed to load, or its hook raised or returned a malformed value."""
 
 
 @dataclass(frozen=True, slots=True)

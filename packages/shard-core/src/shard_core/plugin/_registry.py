@@ -19,14 +19,13 @@ from typing import Any, Generic, TypeVar
 
 import pluggy
 
-from shard_core.errors import PluginCollisionError, PluginError, UnknownPluginNameError
-from shard_core.plugin._manager import (
-    ENV_DISABLE,
+from shard_core.errors import (
+    PluginCollisionError,
+    PluginError,
     PluginWarning,
-    ShardPluginManager,
-    describe_plugin,
-    logger,
+    UnknownPluginNameError,
 )
+from shard_core.plugin._manager import ENV_DISABLE, ShardPluginManager, describe_plugin, logger
 from shard_core.protocols import CommHook, DeviceHandle, WrapPolicy
 
 __all__ = ["Registry"]

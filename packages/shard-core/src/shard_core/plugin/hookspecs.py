@@ -52,8 +52,9 @@ def shard_wrap_policies() -> Mapping[str, Callable[..., WrapPolicy]]:
 def shard_comm_hooks() -> Mapping[str, CommHook]:
     """Return gradient comm hooks by name (``"bf16_compress"``, say).
 
-    A user selects one by name with ``register_comm_hook("bf16_compress")``.
-    Names are unique across all plugins.
+    Code selects one by name with ``Registry.comm_hook("bf16_compress")``
+    (``shard_comms.resolve_comm_hook`` for users). Names are unique across
+    all plugins.
     """
     raise NotImplementedError
 
