@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from shard_comms import build_mesh, get_device_handle
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike
-from shard_runtime._options import MixedPrecisionPolicy, OffloadPolicy
+from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
 from shard_runtime._state import ShardState, get_state
 from shard_runtime._unit import PostForwardGroup, Unit
@@ -238,8 +238,15 @@ def fully_shard(
     managed = {id(p.sharded_param) for s in children for p in s.unit.params}
     label = _label(modules)
     params = _collect_params(modules, managed, ignored_params or set(), label)
+    pin = (
+        isinstance(offload_policy, CPUOffloadPolicy)
+        and offload_policy.pin_memory
+        and compute_device.type != "cpu"
+    )
     sharded = [
-        ShardedParam.create(fqn, param, owners, mesh=mesh, shard_device=shard_device)
+        ShardedParam.create(
+            fqn, param, owners, mesh=mesh, shard_device=shard_device, pin_memory=pin
+        )
         for fqn, param, owners in params
     ]
     unit = Unit(

@@ -77,8 +77,13 @@ class ShardedParam:
         *,
         mesh: DeviceMesh,
         shard_device: torch.device,
+        pin_memory: bool = False,
     ) -> ShardedParam:
-        """Shard ``param`` (a plain full tensor) over the last axis of ``mesh``."""
+        """Shard ``param`` (a plain full tensor) over the last axis of ``mesh``.
+
+        ``pin_memory`` pins the shard (CPU offload with an accelerator) so its
+        copies to the device can run asynchronously.
+        """
         shard_world = mesh.size(-1)
         shard_rank = mesh.get_local_rank(-1) if mesh.ndim > 1 else mesh.get_local_rank()
         placements: tuple[Placement, ...] = (
@@ -97,6 +102,8 @@ class ShardedParam:
         if param.device.type != "meta":
             with torch.no_grad():
                 padded_shard[:local_rows].copy_(param.detach()[start : start + local_rows])
+            if pin_memory:
+                padded_shard = padded_shard.pin_memory()
         sharded_param = _make_sharded_param(
             padded_shard[:local_rows], mesh, placements, full_shape, param.requires_grad
         )
