@@ -23,6 +23,7 @@ from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
+from shard_runtime._per_param import PerParamGroup
 from shard_runtime._state import ShardState, get_state
 from shard_runtime._unit import PostForwardGroup, Unit
 
@@ -235,7 +236,7 @@ def fully_shard(
         torch.device("cpu") if type(offload_policy) is not OffloadPolicy else compute_device
     )
     children = _inner_states(modules)
-    managed = {id(p.sharded_param) for s in children for p in s.unit.params}
+    managed = {id(p) for s in children for p in s.unit.group.registered_params()}
     label = _label(modules)
     params = _collect_params(modules, managed, ignored_params or set(), label)
     pin = (
@@ -251,7 +252,7 @@ def fully_shard(
     ]
     unit = Unit(
         label=label,
-        params=sharded,
+        group=PerParamGroup(sharded, label),
         mesh=mesh,
         mp_policy=mp_policy,
         compute_device=compute_device,

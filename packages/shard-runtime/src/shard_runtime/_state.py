@@ -119,7 +119,7 @@ class ShardState:
             for index, (name, _) in enumerate(top.named_parameters(remove_duplicate=False))
         }
         on_meta = sorted(
-            (p.fqn for s in states for p in s.unit.params if p.padded_shard.device.type == "meta"),
+            (fqn for s in states for fqn in s.unit.group.meta_fqns()),
             key=lambda fqn: model_order.get(fqn, len(model_order)),
         )
         if on_meta:

@@ -1,0 +1,125 @@
+"""How one unit's parameters live in the buffers its collectives move.
+
+The engine (:class:`~shard_runtime._unit.Unit`) decides when a unit gathers,
+frees and reduces, on which stream, over which group; a :class:`ParamGroup`
+decides where the bytes are. Two layouts implement it:
+
+- per-parameter (``fully_shard``): every parameter is its own ``Shard(0)``
+  DTensor; the all-gather input is the concatenation of each parameter's
+  padded shard, and the gathered buffer is copied out into one full tensor
+  per parameter (``_per_param.py``);
+- flat (``FullyShardedDataParallel``): the unit's parameters are one flat
+  buffer sharded by element range; the all-gather lands directly in the flat
+  unsharded buffer the original parameters are views of (``_flat_param.py``).
+
+Both see the all-gather output as ``(world, gather_numel)``: row ``r`` is what
+rank ``r`` sent. The reduce input has the same shape over the trainable
+parameters, so that a reduce-scatter leaves each rank its own row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+__all__ = ["ParamGroup"]
+
+
+class ParamGroup(Protocol):
+    """One unit's parameters, sharded and unsharded; see the module docstring."""
+
+    @property
+    def fqns(self) -> list[str]:
+        """Qualified names of the parameters, for messages."""
+        ...
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the unit manages no parameter (a root whose children hold them all)."""
+        ...
+
+    @property
+    def num_trainable(self) -> int:
+        """How many gradient-ready signals one backward produces."""
+        ...
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype of the all-gather (the compute dtype)."""
+        ...
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements each rank contributes to the all-gather."""
+        ...
+
+    def registered_params(self) -> list[torch.nn.Parameter]:
+        """Every parameter object the group registers on its modules, either face."""
+        ...
+
+    def set_label(self, label: str) -> None:
+        """Name the parameters under the unit's qualified name ``label``."""
+        ...
+
+    def init_compute(
+        self,
+        param_dtype: torch.dtype | None,
+        device: torch.device,
+        on_grad_ready: Callable[[torch.Tensor], None],
+    ) -> None:
+        """(Re)build the unsharded face in ``param_dtype`` (``None``: as sharded) on ``device``.
+
+        ``on_grad_ready`` is called once per trainable leaf when its gradient
+        has been accumulated in a backward.
+        """
+        ...
+
+    def meta_fqns(self) -> list[str]:
+        """Parameters whose shards are still on the meta device."""
+        ...
+
+    def gather_input(self, device: torch.device) -> torch.Tensor:
+        """This rank's all-gather input: 1-D, ``gather_numel``, gather dtype, on ``device``."""
+        ...
+
+    def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
+        """Where the all-gather writes: 1-D, ``world * gather_numel``."""
+        ...
+
+    def finish_gather(self, gathered: torch.Tensor) -> None:
+        """Make the full parameters from ``gathered`` and register them on the modules."""
+        ...
+
+    def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
+        """Copy rows ``rows`` of the full ``(world, gather_numel)`` buffer into ``out``."""
+        ...
+
+    def to_sharded(self) -> None:
+        """Register the sharded parameters and release the unsharded storage."""
+        ...
+
+    def has_unsharded_grads(self) -> bool:
+        """Whether any full gradient waits to be reduced."""
+        ...
+
+    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The full gradients as a 1-D ``world * reduce_numel`` buffer, zero-padded.
+
+        The full gradients are released; the buffer is scratch for the
+        collective.
+        """
+        ...
+
+    def reduce_numel(self) -> int:
+        """Elements of one rank's reduced gradient shard."""
+        ...
+
+    def accumulate(self, output: torch.Tensor) -> None:
+        """Add the reduced gradient shard ``output`` to the sharded gradients."""
+        ...
+
+    def reset_after_apply(self) -> None:
+        """Adopt new sharded tensors after ``module._apply`` (``.to()``, ``to_empty()``)."""
+        ...

@@ -1,0 +1,201 @@
+"""The per-parameter layout of ``fully_shard``: one ``Shard(0)`` DTensor per parameter.
+
+All-gather layout: every rank contributes the concatenation of its padded
+shard of each parameter (``padded_rows * row_numel`` elements each). The
+gathered buffer is ``(world, gather_numel)``; column block ``i`` of it is
+parameter ``i``'s padded full tensor, copied out in one
+``split_with_sizes_copy``. The reduction uses the same layout over the
+trainable parameters. This is shard-core's ``PackedDim0Layout``, with the
+shards already padded in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shard_runtime._param import ShardedParam
+
+__all__ = ["PerParamGroup"]
+
+
+class PerParamGroup:
+    """A :class:`~shard_runtime._group.ParamGroup` of :class:`ShardedParam` s."""
+
+    def __init__(self, params: list[ShardedParam], label: str) -> None:
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self._label = label
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._gather_dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def fqns(self) -> list[str]:
+        return [p.fqn for p in self.params]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.params
+
+    @property
+    def num_trainable(self) -> int:
+        return len(self.trainable)
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        assert self._gather_dtype is not None, "init_compute first"
+        return self._gather_dtype
+
+    @property
+    def gather_numel(self) -> int:
+        return sum(p.padded_numel for p in self.params)
+
+    def reduce_numel(self) -> int:
+        return sum(p.padded_numel for p in self.trainable)
+
+    def registered_params(self) -> list[torch.nn.Parameter]:
+        return [param for p in self.params for param in (p.sharded_param, p.unsharded_param)]
+
+    def set_label(self, label: str) -> None:
+        self._label = label
+        for p in self.params:
+            p.fqn = f"{label}.{p.local_name}" if label else p.local_name
+
+    def meta_fqns(self) -> list[str]:
+        return [p.fqn for p in self.params if p.padded_shard.device.type == "meta"]
+
+    # ------------------------------------------------------------------ compute face
+
+    def init_compute(
+        self,
+        param_dtype: torch.dtype | None,
+        device: torch.device,
+        on_grad_ready: Callable[[torch.Tensor], None],
+    ) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for p in self.params:
+            p.init_unsharded(param_dtype or p.padded_shard.dtype, device)
+            if p.requires_grad:
+                hook = p.unsharded_param.register_post_accumulate_grad_hook
+                self._hooks.append(hook(on_grad_ready))  # type: ignore[no-untyped-call]
+        dtypes = {p.unsharded_param.dtype for p in self.params}
+        if len(dtypes) > 1:
+            names = ", ".join(f"{p.fqn} ({p.unsharded_param.dtype})" for p in self.params)
+            raise TypeError(
+                f"fully_shard({self._label or 'root'}): parameters of one unit must share a "
+                f"dtype to be all-gathered together, got {names}; give MixedPrecisionPolicy("
+                "param_dtype=...) or shard the differently typed submodule separately"
+            )
+        self._gather_dtype = next(iter(dtypes)) if dtypes else torch.float32
+
+    def reset_after_apply(self) -> None:
+        for p in self.params:
+            p.reset_sharded_param()
+
+    # ------------------------------------------------------------------ gather
+
+    def gather_input(self, device: torch.device) -> torch.Tensor:
+        send = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=device)
+        offset = 0
+        for p in self.params:
+            send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
+            offset += p.padded_numel
+        return send
+
+    def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(world * self.gather_numel, dtype=self.gather_dtype, device=device)
+
+    def finish_gather(self, gathered: torch.Tensor) -> None:
+        for p in self.params:
+            p.alloc_unsharded()
+        outs = [p.unsharded_rows_view() for p in self.params]
+        columns = gathered.view(outs[0].shape[0], -1)
+        # See [Note: version counters] in _param.py.
+        with torch.no_grad(), _preserve_versions([p.unsharded_param for p in self.params]):
+            if len(outs) == 1:
+                outs[0].copy_(columns)
+            else:
+                torch.split_with_sizes_copy(
+                    columns, [p.padded_numel for p in self.params], dim=1, out=outs
+                )
+        for p in self.params:
+            p.to_unsharded()
+
+    def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            out[:, offset : offset + p.padded_numel].copy_(p.unsharded_rows_view()[rows])
+            offset += p.padded_numel
+
+    def to_sharded(self) -> None:
+        for p in self.params:
+            p.to_sharded()
+            p.free_unsharded()
+
+    # ------------------------------------------------------------------ reduce
+
+    def has_unsharded_grads(self) -> bool:
+        return any(p.unsharded_param.grad is not None for p in self.trainable)
+
+    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        per_rank = self.reduce_numel()
+        full = torch.empty(world * per_rank, dtype=dtype, device=device)
+        columns = full.view(world, per_rank)
+        offset = 0
+        for p in self.trainable:
+            _copy_padded_rows(
+                columns[:, offset : offset + p.padded_numel], p.unsharded_param.grad, p
+            )
+            p.unsharded_param.grad = None
+            offset += p.padded_numel
+        return full
+
+    def accumulate(self, output: torch.Tensor) -> None:
+        offset = 0
+        for p in self.trainable:
+            local = output[offset : offset + p.local_rows * p.row_numel]
+            p.accumulate_sharded_grad(local.view(p.local_rows, *p.full_shape[1:]))
+            offset += p.padded_numel
+
+
+def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: ShardedParam) -> None:
+    """Write ``grad`` (``dim0`` rows) into ``block`` (``world x padded_numel``), zero-padded."""
+    if grad is None:
+        block.zero_()
+        return
+    rows = p.padded_rows
+    dim0 = p.full_shape[0]
+    world = block.shape[0]
+    if dim0 == rows * world:
+        block.copy_(grad.reshape(world, p.padded_numel))
+        return
+    block.zero_()
+    if rows == 0:
+        return
+    full_ranks = dim0 // rows
+    if full_ranks:
+        block[:full_ranks].copy_(grad[: full_ranks * rows].reshape(full_ranks, p.padded_numel))
+    rest = dim0 - full_ranks * rows
+    if rest:
+        block[full_ranks, : rest * p.row_numel].copy_(grad[full_ranks * rows :].reshape(-1))
+
+
+class _preserve_versions:
+    """Hide in-place writes to ``tensors`` from autograd's saved-tensor checks."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        preserve = torch.autograd._unsafe_preserve_version_counter  # type: ignore[attr-defined]
+        self._contexts = [preserve(t) for t in tensors]
+
+    def __enter__(self) -> None:
+        for ctx in self._contexts:
+            ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        for ctx in reversed(self._contexts):
+            ctx.__exit__(*exc)
