@@ -1,10 +1,12 @@
-"""The hook runtime of shard: ``fully_shard`` and its engine.
+"""The hook runtime of shard: ``fully_shard``, ``FullyShardedDataParallel`` and their engine.
 
 Switch from PyTorch by changing the import line::
 
     from shard_runtime import fully_shard, MixedPrecisionPolicy
+    from shard_runtime import FullyShardedDataParallel, ShardingStrategy
 """
 
+from shard_core import CustomPolicy, ModuleWrapPolicy
 from shard_runtime._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -13,14 +15,30 @@ from shard_runtime._fully_shard import (
 )
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._version import __version__
+from shard_runtime._wrap import apply_wrap_policy
+from shard_runtime._wrapper import FullyShardedDataParallel
+from shard_runtime._wrapper_options import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
 
 __all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
     "CPUOffloadPolicy",
+    "CustomPolicy",
     "FSDPModule",
+    "FullyShardedDataParallel",
+    "MixedPrecision",
     "MixedPrecisionPolicy",
+    "ModuleWrapPolicy",
     "OffloadPolicy",
+    "ShardingStrategy",
     "UnshardHandle",
     "__version__",
+    "apply_wrap_policy",
     "fully_shard",
     "register_fsdp_forward_method",
 ]

@@ -23,7 +23,8 @@ has no root to report to, so it is an error.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,11 +34,23 @@ from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
-__all__ = ["ShardState", "get_state"]
+__all__ = ["BackwardPrefetchMode", "ShardState", "clean_fqn", "get_state"]
 
 _log = logging.getLogger("shard.runtime")
 
 _STATE_ATTR = "_shard_state"
+WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+BackwardPrefetchMode = Literal["pre", "post", "none"]
+
+
+def clean_fqn(name: str) -> str:
+    """A qualified name without the wrapper's internal ``_fsdp_wrapped_module`` segments."""
+    return (
+        name.replace(WRAPPED_PREFIX, "")
+        .removesuffix("._fsdp_wrapped_module")
+        .removeprefix("_fsdp_wrapped_module")
+    )
 
 
 def get_state(module: nn.Module) -> ShardState | None:
@@ -56,6 +69,10 @@ class ShardState:
         *,
         reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
+        backward_prefetch_mode: BackwardPrefetchMode = "pre",
+        forward_prefetch_implicit: bool = False,
+        cast_root_inputs: bool = False,
+        limit_all_gathers: bool = False,
     ) -> None:
         self.modules = modules
         self.class_name = ",".join(type(m).__name__ for m in modules)
@@ -70,9 +87,18 @@ class ShardState:
         self.post_forward_order: list[ShardState] = []
         self._final_callback_queued = False
         self._pending_reduce: PendingReduce | None = None
-        # - explicit prefetch, set through FSDPModule
+        self.last_forward_order: list[ShardState] = []
+        # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
+        self.backward_prefetch_mode = backward_prefetch_mode
+        self.forward_prefetch_implicit = forward_prefetch_implicit
+        self.limit_all_gathers = limit_all_gathers
+        self.cast_root_inputs = cast_root_inputs
+        # - debug order check (root only): each unit's label as its forward starts,
+        #   and the end of each backward
+        self.on_forward_gather: Callable[[str], None] | None = None
+        self.on_iteration_end: Callable[[], None] | None = None
         # - grouped modules: reshard once the last of them has run forward
         self._forwards_done: set[int] = set()
         unit.on_all_grads_ready = self._on_all_grads_ready
@@ -139,7 +165,7 @@ class ShardState:
                 state = get_state(module)
                 if state is None or state is self or module is not state.modules[0]:
                     continue
-                state.unit.set_label(f"{top_prefix}{name}")
+                state.unit.set_label(clean_fqn(f"{top_prefix}{name}"))
 
     # ------------------------------------------------------------------ forward
 
@@ -157,12 +183,17 @@ class ShardState:
         root = self.root
         assert root is not None
         if self is root and self.unit.training_state is TrainingState.IDLE:
+            if root.post_forward_order:
+                root.last_forward_order = list(root.post_forward_order)
             root.post_forward_order.clear()
         self.unit.training_state = TrainingState.FORWARD
+        if root.on_forward_gather is not None:
+            root.on_forward_gather(self.unit.comm_label)
         self.unit.unshard()
-        for target in self.forward_prefetch or ():
-            target.unit.unshard(async_op=True)
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+        for target in self._forward_prefetch_targets():
+            self._prefetch(target)
+        cast = self.mp_policy.cast_forward_inputs or (self.cast_root_inputs and self.is_root)
+        if cast and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = map_tensors(lambda t: _cast_floating(t, dtype), (args, kwargs))
         return args, kwargs
@@ -214,13 +245,41 @@ class ShardState:
             return
         self.unit.training_state = TrainingState.PRE_BACKWARD
         self.unit.unshard()
-        for target in self._backward_prefetch_targets():
-            if target.unit.sharded_state is not ShardedState.UNSHARDED:
-                target.unit.unshard(async_op=True)
+        if self.backward_prefetch is not None or self.backward_prefetch_mode == "pre":
+            for target in self._backward_prefetch_targets():
+                self._prefetch(target)
+
+    def _prefetch(self, target: ShardState) -> None:
+        """Start ``target``'s all-gather unless it is gathered or too many are in flight."""
+        if target.unit.sharded_state is ShardedState.UNSHARDED:
+            return
+        root = self.root
+        assert root is not None
+        if root.limit_all_gathers:
+            # At most two units' all-gathers in flight bounds the memory they hold.
+            in_flight = sum(1 for s in root.all_states if s.unit._pending_gather is not None)
+            if in_flight >= 2:
+                return
+        target.unit.unshard(async_op=True)
+
+    def _forward_prefetch_targets(self) -> list[ShardState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        if not self.forward_prefetch_implicit:
+            return []
+        root = self.root
+        assert root is not None
+        order = root.last_forward_order
+        if self not in order:
+            return []
+        index = order.index(self)
+        return [order[index + 1]] if index + 1 < len(order) else []
 
     def _backward_prefetch_targets(self) -> list[ShardState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
+        if self.backward_prefetch_mode == "none":
+            return []
         root = self.root
         assert root is not None
         order = root.post_forward_order
@@ -238,6 +297,9 @@ class ShardState:
             return
         root = self.root
         assert root is not None
+        if self.backward_prefetch is None and self.backward_prefetch_mode == "post":
+            for target in self._backward_prefetch_targets():
+                self._prefetch(target)
         if unit.requires_gradient_sync:
             root._queue_reduce(unit.reduce_grads())
         if unit.reshard_after_backward:
@@ -253,6 +315,9 @@ class ShardState:
     def _end_of_backward(self) -> None:
         for state in self.all_states:
             unit = state.unit
+            if unit._pending_gather is not None:
+                # A prefetch nobody consumed: its data would be stale after the optimizer step.
+                unit.reshard()
             if unit.training_state is not TrainingState.POST_BACKWARD and (
                 unit.sharded_state is ShardedState.UNSHARDED or unit.has_unsharded_grads()
             ):
@@ -266,6 +331,8 @@ class ShardState:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
+        if self.on_iteration_end is not None:
+            self.on_iteration_end()
         _log.debug("shard: end of backward for %d units", len(self.all_states))
 
     # ------------------------------------------------------------------ state dict

@@ -18,8 +18,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import CommHandle, all_gather, all_reduce, default_divide_factors, reduce_scatter
-from shard_core.protocols import EventLike
+from shard_comms import (
+    CommHandle,
+    DefaultGradReducer,
+    all_gather,
+    all_reduce,
+    default_divide_factors,
+    reduce_gradient,
+    reduce_scatter,
+)
+from shard_core.protocols import CommHook, EventLike
 from shard_runtime._comm import streams_for
 from shard_runtime._group import ParamGroup
 from shard_runtime._options import MixedPrecisionPolicy
@@ -120,6 +128,9 @@ class Unit:
     _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
     _grads_ready: int = 0
     _post_event: EventLike | None = None
+    comm_hook: CommHook | None = (
+        None  # replaces the default reduction (wrapper's register_comm_hook)
+    )
     on_all_grads_ready: Callable[[Unit], None] | None = None
 
     def __post_init__(self) -> None:
@@ -261,6 +272,8 @@ class Unit:
         """
         if not self.group.has_unsharded_grads():
             return None
+        if self.comm_hook is not None:
+            return self._reduce_with_hook(self.comm_hook)
         reduce_dtype = self._reduce_dtype()
         world = self.shard_world
         pre, post = default_divide_factors(world * self.replicate_world)
@@ -303,3 +316,16 @@ class Unit:
             self.group.accumulate(output)
 
         return PendingReduce(work, finish, keep_alive=(full,))
+
+    def _reduce_with_hook(self, hook: CommHook) -> PendingReduce:
+        """Run a user's comm hook synchronously over the default reducer of this unit."""
+        reduce_dtype = self._reduce_dtype()
+        full = self.group.reduce_input(self.shard_world, reduce_dtype, self.compute_device)
+        output = torch.empty(
+            self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
+        )
+        reducer = DefaultGradReducer(
+            self.shard_group, replicate_group=self.replicate_group, label=self.comm_label
+        )
+        reduce_gradient(full, output, reducer, hook)
+        return PendingReduce(CommHandle(None, None), lambda: self.group.accumulate(output))

@@ -1,0 +1,320 @@
+"""The flat layout of ``FullyShardedDataParallel``: one flat buffer per unit.
+
+The unit's parameters lie back to back in one 1-D buffer (shard-core's
+:class:`~shard_core.FlatLayout`); rank ``r`` holds elements ``[r * n, (r + 1) * n)``
+of it, ``n = ceil(total / world)``, zero-padded at the end. The all-gather
+writes straight into the flat unsharded buffer and the original parameters
+are views of it, so gathering costs no copy at all when the shard is already
+in the compute dtype and on the compute device; gradients arrive in the flat
+buffer's ``.grad`` through those views and are reduce-scattered as they are.
+
+Two faces, as in PyTorch's wrapper:
+
+- ``use_orig_params=False``: the unit registers one ``nn.Parameter``, the
+  flat shard (``_flat_param``), on its wrapper; the original parameters are
+  removed from their modules and come back as plain tensor views only while
+  the unit is unsharded.
+- ``use_orig_params=True``: the original ``nn.Parameter`` objects stay (the
+  optimizer holds them). Between steps each one's ``.data`` is its 1-D piece
+  of the local shard (possibly empty) and its ``.grad`` the matching piece of
+  the reduced gradient; while the unit computes, the modules see views of the
+  flat unsharded buffer instead.
+
+[Note: Writes under autograd's eye]
+The all-gather writes into the flat unsharded parameter, whose views autograd
+may have saved during forward; the values written are the ones it saved, so
+the writes go through ``.data``, an alias with a version counter of its own,
+and autograd's checks never see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shard_core import FlatLayout, ParamSpec
+from shard_runtime._param import ParamOwner
+
+__all__ = ["FlatParamGroup", "FlatParamSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class FlatParamSpec:
+    """One original parameter of a flat unit: its name, object and where it is registered."""
+
+    fqn: str
+    param: nn.Parameter
+    owners: list[ParamOwner]
+
+
+class FlatParamGroup:
+    """A :class:`~shard_runtime._group.ParamGroup` over one flat buffer (see the module doc)."""
+
+    def __init__(
+        self,
+        specs: list[FlatParamSpec],
+        *,
+        rank: int,
+        world: int,
+        shard_device: torch.device,
+        use_orig_params: bool,
+        keep_low_precision_grads: bool = False,
+        flat_owner: nn.Module | None = None,
+    ) -> None:
+        self.specs = specs
+        self.rank = rank
+        self.world = world
+        self.use_orig_params = use_orig_params
+        self.keep_low_precision_grads = keep_low_precision_grads
+        self.flat_owner = flat_owner
+        self.requires_grad = any(s.param.requires_grad for s in specs)
+        self.has_frozen = any(not s.param.requires_grad for s in specs)
+        self.flat_param: nn.Parameter | None = None
+        self._hook: torch.utils.hooks.RemovableHandle | None = None
+        self._views_registered = False
+        if not specs:
+            self.layout: FlatLayout | None = None
+            return
+        dtype = specs[0].param.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        # PyTorch aligns every original parameter to 16 bytes when they stay visible.
+        alignment = max(1, 16 // element) if use_orig_params else 1
+        self.layout = FlatLayout.from_specs(
+            [ParamSpec(s.fqn, tuple(s.param.shape)) for s in specs],
+            dtype=dtype,
+            device=specs[0].param.device,
+            alignment=alignment,
+        )
+        device = specs[0].param.device
+        shard_device = device if device.type == "meta" else shard_device
+        n = self.layout.shard_numel(world)
+        self.shard = torch.zeros(n, dtype=dtype, device=shard_device)
+        if device.type != "meta":
+            with torch.no_grad():
+                self.layout.shard([s.param.detach() for s in specs], rank, world, out=self.shard)
+        self.meta = self.layout.shard_metadata(rank, world)
+        if use_orig_params:
+            self._point_orig_params_at_shard()
+        else:
+            self.flat_param = nn.Parameter(self.shard, requires_grad=self.requires_grad)
+            for spec in specs:
+                for owner in spec.owners:
+                    owner.module._parameters.pop(owner.name, None)
+        self.unsharded = torch.empty(0)
+        self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    # ------------------------------------------------------------------ facts
+
+    @property
+    def fqns(self) -> list[str]:
+        return [s.fqn for s in self.specs]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.layout is None
+
+    @property
+    def num_trainable(self) -> int:
+        return 1 if self.requires_grad else 0
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        return self.unsharded_param.dtype
+
+    @property
+    def gather_numel(self) -> int:
+        return self.shard.numel()
+
+    def reduce_numel(self) -> int:
+        return self.shard.numel()
+
+    def registered_params(self) -> list[nn.Parameter]:
+        params = [s.param for s in self.specs]
+        return [self.flat_param, *params] if self.flat_param is not None else params
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+
+    def meta_fqns(self) -> list[str]:
+        return self.fqns if self.shard.device.type == "meta" else []
+
+    # ------------------------------------------------------------------ compute face
+
+    def init_compute(
+        self,
+        param_dtype: torch.dtype | None,
+        device: torch.device,
+        on_grad_ready: Callable[[torch.Tensor], None],
+    ) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.layout is None:
+            return
+        dtype = param_dtype or self.shard.dtype
+        self.unsharded = torch.empty(self.world * self.shard.numel(), dtype=dtype, device=device)
+        self.unsharded_param = nn.Parameter(self.unsharded, requires_grad=self.requires_grad)
+        self._free()
+        if self.requires_grad:
+            hook = self.unsharded_param.register_post_accumulate_grad_hook
+            self._hook = hook(on_grad_ready)  # type: ignore[no-untyped-call]
+
+    def reset_after_apply(self) -> None:
+        """Adopt what ``module._apply`` did to the shard (a new dtype or device)."""
+        if self.layout is None:
+            return
+        current = self.flat_param if self.flat_param is not None else None
+        if current is not None and current.data.data_ptr() != self.shard.data_ptr():
+            self.shard = current.data
+        elif self.use_orig_params:
+            moved = [s.param for s in self.specs if s.param.numel() > 0]
+            if moved and (
+                moved[0].dtype != self.shard.dtype or moved[0].device != self.shard.device
+            ):
+                self.shard = self.shard.to(dtype=moved[0].dtype, device=moved[0].device)
+                self._point_orig_params_at_shard()
+
+    # ------------------------------------------------------------------ storage
+
+    def _alloc(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        nbytes = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    # ------------------------------------------------------------------ gather
+
+    def gather_input(self, device: torch.device) -> torch.Tensor:
+        if self.shard.dtype == self.gather_dtype and self.shard.device == device:
+            return self.shard
+        return self.shard.to(device=device, dtype=self.gather_dtype, non_blocking=True)
+
+    def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
+        self._alloc()
+        # ``.data`` aliases the storage with a version counter of its own, so the
+        # collective's writes never reach the one autograd checks.
+        return self.unsharded_param.data
+
+    def finish_gather(self, gathered: torch.Tensor) -> None:
+        if gathered.data_ptr() != self.unsharded.data_ptr():
+            self._alloc()
+            self.unsharded_param.data.copy_(gathered)
+        self._register_unsharded_views()
+
+    def _register_unsharded_views(self) -> None:
+        with torch.enable_grad():
+            views = self._views(self.unsharded_param)
+        for spec, view in zip(self.specs, views, strict=True):
+            for owner in spec.owners:
+                owner.module._parameters.pop(owner.name, None)
+                # A plain tensor attribute: autograd flows through it to the flat parameter.
+                setattr(owner.module, owner.name, view)
+        self._views_registered = True
+
+    def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
+        out.copy_(self.unsharded.view(self.world, -1)[rows])
+
+    def to_sharded(self) -> None:
+        if self.layout is None:
+            return
+        if self._views_registered:
+            for spec in self.specs:
+                for owner in spec.owners:
+                    owner.module.__dict__.pop(owner.name, None)
+                    if self.use_orig_params:
+                        owner.module._parameters[owner.name] = spec.param
+            self._views_registered = False
+        self._free()
+
+    @contextmanager
+    def full_precision_views(self, full: torch.Tensor) -> Iterator[None]:
+        """Register views of ``full`` (a gathered full-precision flat buffer) as the parameters."""
+        views = self._views(full)
+        for spec, view in zip(self.specs, views, strict=True):
+            for owner in spec.owners:
+                owner.module._parameters.pop(owner.name, None)
+                if self.use_orig_params:
+                    spec.param.data = view
+                    owner.module._parameters[owner.name] = spec.param
+                else:
+                    setattr(owner.module, owner.name, view)
+        try:
+            yield
+        finally:
+            for spec in self.specs:
+                for owner in spec.owners:
+                    owner.module.__dict__.pop(owner.name, None)
+            if self.use_orig_params:
+                self._point_orig_params_at_shard()
+
+    # ------------------------------------------------------------------ reduce
+
+    def has_unsharded_grads(self) -> bool:
+        return self.unsharded_param.grad is not None
+
+    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        grad = self.unsharded_param.grad
+        assert grad is not None
+        self.unsharded_param.grad = None
+        return grad if grad.dtype == dtype else grad.to(dtype)
+
+    def accumulate(self, output: torch.Tensor) -> None:
+        dtype = self.gather_dtype if self.keep_low_precision_grads else self.shard.dtype
+        reduced = output.to(device=self.shard.device, dtype=dtype)
+        if self.flat_param is not None:
+            if self.flat_param.grad is None:
+                self.flat_param.grad = reduced  # a fresh buffer per reduction: adopt it
+            else:
+                self.flat_param.grad.add_(reduced)
+            return
+        for spec, info in zip(self._shard_specs(), self.meta.params, strict=True):
+            if not spec.param.requires_grad:
+                continue
+            piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
+            if spec.param.grad is None:
+                spec.param.grad = piece.clone()
+            else:
+                spec.param.grad.add_(piece)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One single-output view per parameter.
+
+        Not ``split``: autograd forbids using views of a multi-output op
+        after their base was written, which the all-gather does before backward.
+        """
+        assert self.layout is not None
+        # The layout keeps the full shapes (``param.shape`` is the shard piece's).
+        return [
+            flat.narrow(0, offset, spec.numel).view(spec.shape)
+            for spec, offset in zip(self.layout.params, self.layout.offsets, strict=True)
+        ]
+
+    def _shard_specs(self) -> list[FlatParamSpec]:
+        return [self.specs[info.index] for info in self.meta.params]
+
+    def _point_orig_params_at_shard(self) -> None:
+        """``use_orig_params``: each original parameter's data is its piece of the shard."""
+        assert self.layout is not None
+        pieces = dict(
+            zip(
+                (info.index for info in self.meta.params),
+                self.layout.shard_views(self.shard, self.rank, self.world),
+                strict=True,
+            )
+        )
+        empty = self.shard.new_empty(0)
+        for index, spec in enumerate(self.specs):
+            spec.param.data = pieces.get(index, empty)
+            for owner in spec.owners:
+                owner.module._parameters[owner.name] = spec.param

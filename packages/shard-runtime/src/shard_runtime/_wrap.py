@@ -1,0 +1,388 @@
+"""Applying wrap policies: what a user may pass as a policy, and which units it makes.
+
+Both front ends (``apply_wrap_policy`` for ``fully_shard``, ``auto_wrap_policy=``
+for the wrapper) must turn the same policy into the same units, so they share
+the two steps here: :func:`resolve_wrap_policy` turns every accepted way of
+naming a policy into a :class:`~shard_core.protocols.WrapPolicy`, and
+:func:`plan_units` runs shard-core's walker and then repairs what a policy
+cannot see, parameters that alias each other landing in different units.
+
+[Note: tied parameters across units]
+A parameter used by two units cannot be sharded by both: the second unit
+would find it already sharded (or, for two parameters sharing storage, shard
+a copy, so the tie silently breaks and the weight trains twice). A policy
+decides one module at a time and cannot know about ties, so the plan is
+repaired afterwards: a parameter is *used* by the nearest unit above every
+module that holds it, on every path from the root (a module reachable under
+two names counts under both), and parameters alias when they are one object
+or share storage. When one alias group is used by several units, the units
+holding only part of it are dropped, those units and every unit between them
+and the nearest unit above that contains all of them, so the group lands in
+that unit (the root at worst). Folds repeat until no group is split.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping, Set
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeAlias, TypeVar
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from shard_core import ModuleWrapPolicy, Registry, WrapTarget, get_registry, plan_wraps
+from shard_core.errors import WrapPlanError
+from shard_core.protocols import WrapDecision, WrapPolicy
+from shard_runtime._fully_shard import fully_shard
+
+__all__ = ["WrapPolicyLike", "apply_wrap_policy", "plan_units", "resolve_wrap_policy"]
+
+_log = logging.getLogger("shard.runtime")
+
+_M = TypeVar("_M", bound=nn.Module)
+
+AutoWrapFn: TypeAlias = Callable[..., bool]
+"""PyTorch's callable policy: ``fn(module=, recurse=, nonwrapped_numel=) -> bool``."""
+
+WrapPolicyLike: TypeAlias = (
+    WrapPolicy
+    | str
+    | tuple[str, Mapping[str, Any]]
+    | type[nn.Module]
+    | Iterable[type[nn.Module]]
+    | AutoWrapFn
+    | None
+)
+"""Every form :func:`resolve_wrap_policy` accepts."""
+
+_ACCEPTED = (
+    "None, a WrapPolicy (an object with descend() and wrap()), a registered policy name "
+    "such as 'transformer', a (name, options) tuple such as ('size', {'min_num_params': "
+    "10000}), a set of nn.Module classes, or PyTorch's callable policy fn(module, recurse, "
+    "nonwrapped_numel) -> bool"
+)
+
+_FULLY_SHARD_KWARGS = tuple(
+    p.name
+    for p in inspect.signature(fully_shard).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
+
+# ---------------------------------------------------------------------- resolution
+
+
+def resolve_wrap_policy(
+    policy: WrapPolicyLike, *, registry: Registry | None = None
+) -> WrapPolicy | None:
+    """The :class:`~shard_core.protocols.WrapPolicy` that ``policy`` names.
+
+    Accepts ``None`` (no policy: the root is the only unit); a ``WrapPolicy``
+    (returned as is); a name registered in the plugin registry
+    (``"transformer"``) or a ``(name, options)`` tuple
+    (``("size", {"min_num_params": 10_000})``), built through ``registry``
+    (default: :func:`shard_core.get_registry`); an ``nn.Module`` class or a
+    set, frozenset, list or tuple of them (a
+    :class:`~shard_core.ModuleWrapPolicy`); and PyTorch's callable policy
+    ``fn(module, recurse, nonwrapped_numel) -> bool``
+    (``functools.partial(size_based_auto_wrap_policy, min_num_params=...)``),
+    asked with ``recurse=True`` and the subtree's parameter count whether to
+    descend, and with ``recurse=False`` and the unclaimed count whether to wrap.
+
+    Raises:
+        WrapPlanError: ``policy`` is none of these (the message names its type
+            and the accepted forms); a ``(name, options)`` tuple is malformed;
+            a registered factory rejected the options.
+        UnknownPluginNameError: no plugin registered the name (the message
+            lists the registered names).
+    """
+    if policy is None:
+        return None
+    if isinstance(policy, type):
+        return _resolve_class(policy)
+    if isinstance(policy, WrapPolicy):
+        return policy
+    if isinstance(policy, nn.Module):
+        name = type(policy).__name__
+        raise WrapPlanError(
+            f"cannot use a {name} module as a wrap policy; to make every {name} a unit, pass "
+            f"its class: {{{name}}}"
+        )
+    if isinstance(policy, str):
+        return _from_registry(policy, {}, registry)
+    if isinstance(policy, tuple) and policy and isinstance(policy[0], str):
+        return _resolve_named_tuple(policy, registry)
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        return ModuleWrapPolicy(policy)
+    if callable(policy):
+        return _AutoWrapFnPolicy(policy)
+    raise WrapPlanError(_unsupported(policy))
+
+
+def _resolve_class(cls: type) -> WrapPolicy:
+    if issubclass(cls, nn.Module):
+        return ModuleWrapPolicy(cls)
+    if callable(getattr(cls, "descend", None)) and callable(getattr(cls, "wrap", None)):
+        raise WrapPlanError(
+            f"wrap policy {cls.__name__} is a class, not a policy; pass an instance: "
+            f"{cls.__name__}(...)"
+        )
+    raise WrapPlanError(_unsupported(cls))
+
+
+def _resolve_named_tuple(policy: tuple[Any, ...], registry: Registry | None) -> WrapPolicy:
+    name = policy[0]
+    if len(policy) != 2 or not (
+        isinstance(policy[1], Mapping) and all(isinstance(k, str) for k in policy[1])
+    ):
+        raise WrapPlanError(
+            f"wrap policy {policy!r}: a named policy with options is a (name, options) tuple "
+            f"whose options are a mapping of keyword arguments, e.g. ('size', "
+            f"{{'min_num_params': 10000}})"
+        )
+    return _from_registry(name, policy[1], registry)
+
+
+def _from_registry(name: str, options: Mapping[str, Any], registry: Registry | None) -> WrapPolicy:
+    registry = registry if registry is not None else get_registry()
+    factory = registry.wrap_policies().get(name)
+    if factory is not None:
+        try:
+            signature = inspect.signature(factory)
+        except ValueError:  # no signature to check (a builtin); the call will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(**options)
+            except TypeError as exc:
+                takes = [
+                    p.name
+                    for p in signature.parameters.values()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                ]
+                raise WrapPlanError(
+                    f"wrap policy {name!r} does not take the options {dict(options)!r}: {exc}; "
+                    f"its options are: {', '.join(takes) or 'none'}"
+                ) from None
+    return registry.wrap_policy(name, **options)
+
+
+def _unsupported(policy: object) -> str:
+    message = f"cannot use {policy!r} ({type(policy).__name__}) as a wrap policy; pass {_ACCEPTED}"
+    if type(policy).__module__.startswith("torch.distributed.fsdp"):
+        message += (
+            f". For PyTorch's {type(policy).__name__}, use shard's class of the same name "
+            f"from shard_runtime (same arguments)"
+        )
+    return message
+
+
+class _AutoWrapFnPolicy:
+    """PyTorch's callable auto-wrap policy, asked the way PyTorch asks it."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: AutoWrapFn) -> None:
+        try:
+            inspect.signature(fn).bind(module=None, recurse=True, nonwrapped_numel=0)
+        except TypeError as exc:
+            raise WrapPlanError(
+                f"wrap policy {fn!r} is callable but does not take PyTorch's auto-wrap "
+                f"arguments (module, recurse, nonwrapped_numel): {exc}; for a function of the "
+                f"module alone, pass CustomPolicy(fn)"
+            ) from None
+        except ValueError:  # no signature to check (a builtin); the call will tell
+            pass
+        self._fn = fn
+
+    def descend(self, module: nn.Module, name: str) -> bool:
+        numel = sum(p.numel() for p in module.parameters())
+        return bool(self._fn(module=module, recurse=True, nonwrapped_numel=numel))
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
+        decision: WrapDecision = self._fn(
+            module=module, recurse=False, nonwrapped_numel=unwrapped_numel
+        )
+        return decision
+
+    def __repr__(self) -> str:
+        fn = self._fn
+        if isinstance(fn, functools.partial):
+            args = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
+            return f"AutoWrapFnPolicy({getattr(fn.func, '__name__', repr(fn.func))}, {args})"
+        return f"AutoWrapFnPolicy({getattr(fn, '__name__', repr(fn))})"
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def plan_units(
+    root: nn.Module,
+    policy: WrapPolicy | None,
+    *,
+    ignored_modules: Iterable[nn.Module] = (),
+    ignored_params: Iterable[nn.Parameter] | None = (),
+) -> list[WrapTarget]:
+    """The units of ``root`` under ``policy``, with tied parameters kept in one unit.
+
+    :func:`shard_core.plan_wraps` (children before parents, the root last),
+    then, while parameters that alias each other (one ``nn.Parameter`` under
+    two names, or two sharing storage) are used by different units, the
+    units holding part of such a group are dropped so that the group lands
+    in the nearest unit above that contains all of it (the root at worst);
+    that unit's ``numel`` grows by what the dropped units held. Each fold is
+    logged at DEBUG on ``shard.runtime``. See [Note: tied parameters across units].
+
+    Raises:
+        WrapPlanError: as :func:`shard_core.plan_wraps`.
+    """
+    ignored_modules = list(ignored_modules)
+    ignored_params = list(ignored_params or ())
+    targets = plan_wraps(
+        root, policy, ignored_modules=ignored_modules, ignored_params=ignored_params
+    )
+    ignored_module_ids = {id(m) for m in ignored_modules}
+    ignored_param_ids = {id(p) for p in ignored_params}
+    for module in ignored_modules:
+        ignored_param_ids.update(id(p) for p in module.parameters())
+    while True:
+        split = _first_split_tie(root, targets, ignored_module_ids, ignored_param_ids)
+        if split is None:
+            return targets
+        targets = _fold(targets, split)
+
+
+@dataclass
+class _AliasGroup:
+    """Parameters that alias each other: their names and the units that use them."""
+
+    names: dict[str, None] = field(default_factory=dict)
+    unit_ids: dict[int, None] = field(default_factory=dict)
+
+
+def _first_split_tie(
+    root: nn.Module,
+    targets: list[WrapTarget],
+    ignored_module_ids: Set[int],
+    ignored_param_ids: Set[int],
+) -> _AliasGroup | None:
+    """The first alias group (in ``root``'s module order) used by more than one unit."""
+    unit_ids = {id(t.module) for t in targets}
+    groups: dict[tuple[object, ...], _AliasGroup] = {}
+    seen: set[tuple[int, int]] = set()
+
+    def visit(module: nn.Module, name: str, unit_id: int) -> None:
+        if id(module) in unit_ids:
+            unit_id = id(module)
+        if (id(module), unit_id) in seen:  # same subtree under the same unit: nothing new
+            return
+        seen.add((id(module), unit_id))
+        for param_name, param in module.named_parameters(
+            prefix=name, recurse=False, remove_duplicate=False
+        ):
+            if id(param) in ignored_param_ids:
+                continue
+            group = groups.setdefault(_alias_key(param), _AliasGroup())
+            group.names[param_name] = None
+            group.unit_ids[unit_id] = None
+        for child_name, child in module.named_children():
+            if id(child) not in ignored_module_ids:
+                visit(child, f"{name}.{child_name}" if name else child_name, unit_id)
+
+    visit(root, "", id(root))
+    return next((g for g in groups.values() if len(g.unit_ids) > 1), None)
+
+
+def _alias_key(param: nn.Parameter) -> tuple[object, ...]:
+    """Equal for parameters that are one object or share storage."""
+    if not isinstance(param, DTensor) and param.device.type != "meta":
+        ptr = param.untyped_storage().data_ptr()
+        if ptr != 0:  # empty storages all sit at 0
+            return ("storage", param.device, ptr)
+    return ("object", id(param))
+
+
+def _fold(targets: list[WrapTarget], group: _AliasGroup) -> list[WrapTarget]:
+    """``targets`` without the units that hold part of ``group`` below its common unit."""
+    by_id = {id(t.module): t for t in targets}
+    users = [by_id[uid] for uid in group.unit_ids]
+    keep = max(
+        (t for t in targets if all(_contains(t.name, u.name) for u in users)),
+        key=lambda t: len(t.name),
+    )
+    dropped = [
+        t
+        for t in targets
+        if t is not keep
+        and _contains(keep.name, t.name)
+        and any(_contains(t.name, u.name) for u in users)
+    ]
+    _log.debug(
+        "tied parameters %s would be split across units %s; dropped units %s so that unit %s "
+        "holds them all",
+        ", ".join(repr(n) for n in group.names),
+        ", ".join(repr(u.name) for u in users),
+        ", ".join(repr(t.name) for t in dropped),
+        repr(keep.name),
+    )
+    dropped_ids = {id(t) for t in dropped}
+    moved = sum(t.numel for t in dropped)
+    return [
+        replace(t, numel=t.numel + moved) if t is keep else t
+        for t in targets
+        if id(t) not in dropped_ids
+    ]
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether the module named ``inner`` is ``outer`` or lies under it."""
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
+
+
+# ---------------------------------------------------------------------- applying
+
+
+def apply_wrap_policy(model: _M, policy: WrapPolicyLike, **fully_shard_kwargs: Any) -> _M:
+    """Shard ``model`` with ``fully_shard`` on every unit ``policy`` makes, bottom-up.
+
+    The composable API's auto-wrap: :func:`resolve_wrap_policy` then
+    :func:`plan_units` (honoring ``ignored_params``), then one
+    ``fully_shard(unit, **fully_shard_kwargs)`` per unit, children before
+    parents and the root last, with the overrides the policy returned for a
+    unit (``CustomPolicy``) replacing the caller's keyword arguments for that
+    unit only.
+
+    Returns:
+        ``model`` itself, now sharded.
+
+    Raises:
+        TypeError: a keyword argument ``fully_shard`` does not take.
+        WrapPlanError: as :func:`resolve_wrap_policy` and :func:`plan_units`;
+            a unit's overrides name an argument ``fully_shard`` does not take.
+            Checked before any module is sharded.
+    """
+    unknown = [k for k in fully_shard_kwargs if k not in _FULLY_SHARD_KWARGS]
+    if unknown:
+        raise TypeError(
+            f"apply_wrap_policy() got keyword arguments fully_shard does not take: "
+            f"{', '.join(unknown)}; it takes {', '.join(_FULLY_SHARD_KWARGS)}"
+        )
+    targets = plan_units(
+        model,
+        resolve_wrap_policy(policy),
+        ignored_params=fully_shard_kwargs.get("ignored_params"),
+    )
+    for target in targets:
+        bad = [k for k in target.overrides if k not in _FULLY_SHARD_KWARGS]
+        if bad:
+            raise WrapPlanError(
+                f"wrap policy answered overrides {dict(target.overrides)!r} for module "
+                f"{target.name!r} ({type(target.module).__name__}), but fully_shard does not "
+                f"take {', '.join(bad)}; overrides may name {', '.join(_FULLY_SHARD_KWARGS)}"
+            )
+    for target in targets:
+        fully_shard(target.module, **{**fully_shard_kwargs, **target.overrides})
+    return model

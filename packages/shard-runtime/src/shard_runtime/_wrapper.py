@@ -1,0 +1,744 @@
+"""``FullyShardedDataParallel``: the wrapper front end, flat parameters on the shared engine.
+
+Same constructor, defaults and methods as PyTorch's wrapper, so a script
+switches by changing its import line. Each wrapper instance is one unit whose
+parameters live in one flat buffer (:class:`~shard_runtime._flat_param.FlatParamGroup`);
+the hooks, prefetching, root logic and communication are the engine's
+(:class:`~shard_runtime._state.ShardState`, :class:`~shard_runtime._unit.Unit`),
+shared with ``fully_shard``.
+
+[Note: strategies as meshes]
+Every strategy is a mesh of (replicate, shard) axes over the same engine:
+FULL_SHARD and SHARD_GRAD_OP shard over all ranks (1-D mesh); NO_SHARD is a
+(N, 1) mesh, so the "all-gather" is a local copy and the reduction an
+all-reduce across N replicas; the hybrid strategies shard within a group and
+all-reduce across groups. SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep full
+parameters from forward to backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shard_comms import all_gather, build_mesh
+from shard_core import get_registry
+from shard_core.protocols import CommHook, WrapDecision, WrapPolicy
+from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
+from shard_runtime._options import MixedPrecisionPolicy
+from shard_runtime._order import ForwardOrderChecker, order_check_enabled
+from shard_runtime._param import ParamOwner
+from shard_runtime._state import WRAPPED_PREFIX, ShardState, clean_fqn, get_state
+from shard_runtime._unit import ShardedState, TrainingState, Unit
+from shard_runtime._wrap import plan_units, resolve_wrap_policy
+from shard_runtime._wrapper_init import (
+    materialize_module,
+    move_to_device,
+    resolve_ignored,
+)
+from shard_runtime._wrapper_init import (
+    sync_module_states as broadcast_module_states,
+)
+from shard_runtime._wrapper_options import (
+    HYBRID_STRATEGIES,
+    RESHARD_AFTER_FORWARD,
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
+
+__all__ = ["FullyShardedDataParallel"]
+
+_WRAPPED = "_fsdp_wrapped_module"
+_FLAT_PARAM = "_flat_param"
+
+
+class _Shared:
+    """What every wrapper of one model shares: decided once by the outermost constructor."""
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        compute_device: torch.device,
+        ignored_modules: frozenset[nn.Module],
+        ignored_params: frozenset[nn.Parameter],
+    ) -> None:
+        self.mesh = mesh
+        self.compute_device = compute_device
+        self.ignored_modules = ignored_modules
+        self.ignored_params = ignored_params
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters as flat buffers across ranks; PyTorch's wrapper API.
+
+    Args mirror ``torch.distributed.fsdp.FullyShardedDataParallel``:
+        module: the module to wrap.
+        process_group: the group to shard over; for hybrid strategies a
+            ``(shard_group, replicate_group)`` tuple. ``None``: the default group.
+        sharding_strategy: see :class:`ShardingStrategy`. ``None``: FULL_SHARD.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps shards on the CPU.
+        auto_wrap_policy: which submodules become units of their own: a
+            ``WrapPolicy``, a registered name (``"transformer"``), ``(name,
+            options)``, a set of module classes, or PyTorch's callable form.
+        backward_prefetch: when the next unit's all-gather starts in backward.
+        mixed_precision: see :class:`MixedPrecision`.
+        ignored_modules: modules kept whole (never sharded, never reduced).
+        param_init_fn: initialises modules built on the meta device.
+        device_id: the compute device (an index or a device).
+        sync_module_states: broadcast rank 0's parameters and buffers first.
+        forward_prefetch: start the next unit's all-gather when a unit's
+            forward starts (in the previous iteration's order).
+        limit_all_gathers: at most two units' all-gathers in flight.
+        use_orig_params: keep the original parameters visible (views of the
+            flat buffer) instead of one flat parameter per unit.
+        ignored_states: parameters or modules to ignore (instead of ``ignored_modules``).
+        device_mesh: a 1-D mesh, or a 2-D (replicate, shard) mesh for hybrid sharding.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup
+        | tuple[dist.ProcessGroup, dist.ProcessGroup]
+        | None = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None = None,
+        device_mesh: DeviceMesh | None = None,
+        *,
+        _shared: _Shared | None = None,
+    ) -> None:
+        super().__init__()
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise TypeError(
+                f"FullyShardedDataParallel: sharding_strategy must be a ShardingStrategy, "
+                f"got {strategy!r}"
+            )
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "FullyShardedDataParallel: the module is already wrapped; wrap each module once"
+            )
+        if _shared is None:
+            _shared = _prepare(
+                module,
+                process_group=process_group,
+                strategy=strategy,
+                device_mesh=device_mesh,
+                auto_wrap=auto_wrap_policy is not None,
+                ignored_modules=ignored_modules,
+                ignored_states=ignored_states,
+                param_init_fn=param_init_fn,
+                device_id=device_id,
+                sync=sync_module_states,
+            )
+        self._shared = _shared
+        self.sharding_strategy = strategy
+        self.mixed_precision = mixed_precision
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.use_orig_params = use_orig_params
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        if auto_wrap_policy is not None:
+            options = {
+                "process_group": process_group,
+                "sharding_strategy": strategy,
+                "cpu_offload": cpu_offload,
+                "backward_prefetch": backward_prefetch,
+                "mixed_precision": mixed_precision,
+                "forward_prefetch": forward_prefetch,
+                "limit_all_gathers": limit_all_gathers,
+                "use_orig_params": use_orig_params,
+            }
+            _auto_wrap(module, auto_wrap_policy, mixed_precision, options, _shared)
+        self._fsdp_wrapped_module = module
+        self._init_unit()
+
+    # ------------------------------------------------------------------ construction
+
+    def _init_unit(self) -> None:
+        shared = self._shared
+        mesh = shared.mesh
+        module = self._fsdp_wrapped_module
+        specs = _collect_specs(module, shared.ignored_modules, shared.ignored_params)
+        _check_frozen_mix(specs, self.use_orig_params, type(module).__name__)
+        shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+        shard_device = (
+            torch.device("cpu") if self.cpu_offload.offload_params else shared.compute_device
+        )
+        mp = self.mixed_precision
+        group = FlatParamGroup(
+            specs,
+            rank=shard_rank,
+            world=mesh.size(-1),
+            shard_device=shard_device,
+            use_orig_params=self.use_orig_params,
+            keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
+        )
+        if group.flat_param is not None:
+            self.register_parameter(_FLAT_PARAM, group.flat_param)
+        policy = MixedPrecisionPolicy(
+            param_dtype=mp.param_dtype if mp else None,
+            reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None,
+            cast_forward_inputs=bool(mp and mp.cast_forward_inputs),
+        )
+        if mp is not None and mp.buffer_dtype is not None:
+            _cast_buffers(module, mp.buffer_dtype, shared.ignored_modules)
+        unit = Unit(
+            label=type(module).__name__,
+            group=group,
+            mesh=mesh,
+            mp_policy=policy,
+            compute_device=shared.compute_device,
+        )
+        prefetch = {
+            BackwardPrefetch.BACKWARD_PRE: "pre",
+            BackwardPrefetch.BACKWARD_POST: "post",
+            None: "none",
+        }[self.backward_prefetch]
+        state = ShardState(
+            [self],
+            unit,
+            reshard_after_forward=self.sharding_strategy in RESHARD_AFTER_FORWARD,
+            mp_policy=policy,
+            backward_prefetch_mode=prefetch,  # type: ignore[arg-type]
+            forward_prefetch_implicit=self.forward_prefetch,
+            cast_root_inputs=bool(mp and mp.cast_root_forward_inputs),
+            limit_all_gathers=self.limit_all_gathers,
+        )
+        for inner in _inner_states(module):
+            if inner.parent is None:
+                inner.parent = state
+        state.name_inner_units()
+        if order_check_enabled():
+            checker = ForwardOrderChecker(None)
+            state.on_forward_gather = checker.record
+            state.on_iteration_end = checker.end_iteration
+        unit.reshard()
+        self.register_state_dict_post_hook(_strip_prefixes)  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ module surface
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        wrapped = self._modules[_WRAPPED]
+        assert wrapped is not None
+        return wrapped
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[_WRAPPED], name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self.module.__getitem__(key)  # type: ignore[operator]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_fqn(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield clean_fqn(name), buffer
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        state = _state(self)
+        state.unit.reshard()
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        state.unit.reset_after_apply()
+        return result
+
+    # ------------------------------------------------------------------ training controls
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) inside the block; root only."""
+        state = _state(self)
+        if state.parent is not None:
+            raise RuntimeError(
+                "FullyShardedDataParallel.no_sync() must be called on the root wrapper, "
+                f"not on the inner one around {type(self.module).__name__}"
+            )
+        states = _tree_states(self)
+        saved = [s.unit.requires_gradient_sync for s in states]
+        for s in states:
+            s.unit.requires_gradient_sync = False
+        try:
+            yield
+        finally:
+            for s, value in zip(states, saved, strict=True):
+                s.unit.requires_gradient_sync = value
+
+    def register_comm_hook(self, state: object, hook: CommHook | str | None = None) -> None:
+        """Replace the gradient reduction of every unit in this tree.
+
+        ``hook`` is a :class:`~shard_core.protocols.CommHook` or a registered name
+        (``"bf16_compress"``); PyTorch's ``(state, hook)`` form is accepted and
+        ``state`` is then unused (the hook receives shard's reducer).
+        """
+        chosen = hook if hook is not None else state
+        if isinstance(chosen, str):
+            chosen = get_registry().comm_hook(chosen)
+        if not callable(chosen):
+            raise TypeError(
+                f"register_comm_hook: expected a comm hook or a registered hook name, got "
+                f"{type(chosen).__name__}"
+            )
+        for s in _tree_states(self):
+            if s.root is not None and s.unit.training_state is not TrainingState.IDLE:
+                raise RuntimeError("register_comm_hook: call it before training starts")
+            s.unit.comm_hook = chosen
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter in this tree to a global norm; return it."""
+        return _clip_grad_norm(self, float(max_norm), float(norm_type))
+
+    # ------------------------------------------------------------------ static helpers
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every wrapper in ``module``'s tree (only the outermost ones with ``root_only``)."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return found
+        inner = {id(m) for w in found for m in w.module.modules() if m is not w}
+        return [m for m in found if id(m) not in inner]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Iterator[None]:
+        """Expose full, full-precision parameters inside the block; write changes back.
+
+        ``rank0_only`` gathers everywhere but only rank 0 sees full parameters
+        (no ``writeback``); ``offload_to_cpu`` keeps the full copies on the CPU;
+        ``with_grads`` (``use_orig_params=True`` only) also shows full gradients.
+        """
+        with _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` on full parameters (gathered, then written back)."""
+        with _summon(self, True, True, False, False, False):
+            super().apply(fn)
+        return self
+
+
+# ---------------------------------------------------------------------- construction helpers
+
+
+def _prepare(
+    module: nn.Module,
+    *,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    strategy: ShardingStrategy,
+    device_mesh: DeviceMesh | None,
+    auto_wrap: bool,
+    ignored_modules: Iterable[nn.Module] | None,
+    ignored_states: Iterable[nn.Parameter] | Iterable[nn.Module] | None,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    device_id: int | torch.device | None,
+    sync: bool,
+) -> _Shared:
+    """What the outermost wrapper decides once for the whole model."""
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(
+            f"FullyShardedDataParallel: param_init_fn must be callable, got "
+            f"{type(param_init_fn).__name__}"
+        )
+    modules, params = resolve_ignored(module, ignored_modules, ignored_states)
+    device = _device_of(device_id)
+    materialize_module(module, param_init_fn, device, modules)
+    compute_device = move_to_device(module, device_id, params)
+    mesh = _mesh_for(strategy, process_group, device_mesh, auto_wrap, compute_device.type)
+    if sync:
+        for axis in range(mesh.ndim - 1, -1, -1):
+            broadcast_module_states(module, mesh.get_group(axis), params, ignored_modules=modules)
+    return _Shared(mesh, compute_device, modules, params)
+
+
+def _device_of(device_id: int | torch.device | None) -> torch.device:
+    if device_id is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else (torch.device("cpu"))
+        )
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    return torch.device(device_id)
+
+
+_MESHES: dict[tuple[object, ...], DeviceMesh] = {}
+
+
+def _mesh_for(
+    strategy: ShardingStrategy,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    device_mesh: DeviceMesh | None,
+    auto_wrap: bool,
+    device_type: str,
+) -> DeviceMesh:
+    """See [Note: strategies as meshes]."""
+    if device_mesh is not None and process_group is not None:
+        raise ValueError(
+            "FullyShardedDataParallel: pass either process_group or device_mesh, not both"
+        )
+    hybrid = strategy in HYBRID_STRATEGIES
+    if device_mesh is not None:
+        if hybrid and device_mesh.ndim != 2:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy.name} needs a 2-D (replicate, shard) "
+                f"device_mesh, got a {device_mesh.ndim}-D one"
+            )
+        if not hybrid and device_mesh.ndim != 1:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy.name} needs a 1-D device_mesh, got a "
+                f"{device_mesh.ndim}-D one; use HYBRID_SHARD for 2-D meshes"
+            )
+        if strategy is ShardingStrategy.NO_SHARD:
+            return _cached(
+                ("no_shard", id(device_mesh)), lambda: _replicated(device_mesh.get_group())
+            )
+        return device_mesh
+    if hybrid:
+        if isinstance(process_group, tuple):
+            shard_group, replicate_group = process_group
+            return _cached(
+                ("hybrid", id(shard_group), id(replicate_group)),
+                lambda: build_mesh(groups=(shard_group, replicate_group), device_type=device_type),
+            )
+        if process_group is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: {strategy.name} takes process_group as a "
+                "(shard_group, replicate_group) tuple, or a 2-D device_mesh"
+            )
+        if not auto_wrap:
+            raise ValueError(
+                f"FullyShardedDataParallel: manual wrapping with {strategy.name} needs an explicit "
+                "process_group=(shard_group, replicate_group) or a 2-D device_mesh; with an "
+                "auto_wrap_policy the groups are built per node from LOCAL_WORLD_SIZE"
+            )
+        node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        return _cached(("node", node), lambda: build_mesh(node_size=node, device_type=device_type))
+    if isinstance(process_group, tuple):
+        raise ValueError(
+            f"FullyShardedDataParallel: a (shard_group, replicate_group) tuple needs a hybrid "
+            f"strategy, got {strategy.name}"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None
+    if strategy is ShardingStrategy.NO_SHARD:
+        return _cached(("no_shard", id(group)), lambda: _replicated(group))
+    return _cached(("shard", id(group)), lambda: build_mesh(groups=group, device_type=device_type))
+
+
+def _cached(key: tuple[object, ...], make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = _MESHES[key] = make()
+    return mesh
+
+
+def _replicated(group: dist.ProcessGroup) -> DeviceMesh:
+    """A (N, 1) mesh over ``group``: every rank a replica, shard groups of one."""
+    ranks = dist.get_process_group_ranks(group)
+    singles = [dist.new_group([r]) for r in ranks]  # collective: every rank creates every group
+    mine = singles[ranks.index(dist.get_rank())]
+    return build_mesh(groups=(mine, group))
+
+
+def _auto_wrap(
+    module: nn.Module,
+    policy: Any,
+    mixed_precision: MixedPrecision | None,
+    options: dict[str, Any],
+    shared: _Shared,
+) -> None:
+    """Wrap the units ``policy`` chooses, bottom-up, in place of the modules in their parents."""
+    resolved = resolve_wrap_policy(policy)
+    if mixed_precision is not None and mixed_precision._module_classes_to_ignore:
+        resolved = _NoMixedPrecisionFor(resolved, tuple(mixed_precision._module_classes_to_ignore))
+    targets = plan_units(
+        module,
+        resolved,
+        ignored_modules=shared.ignored_modules,
+        ignored_params=shared.ignored_params,
+    )
+    for target in targets:
+        if target.module is module:
+            continue
+        parent_name, _, child_name = target.name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        wrapper = FullyShardedDataParallel(
+            target.module, **{**options, **target.overrides}, _shared=shared
+        )
+        parent._modules[child_name] = wrapper
+
+
+class _NoMixedPrecisionFor:
+    """A policy that also makes modules of ``classes`` units without mixed precision."""
+
+    def __init__(self, base: WrapPolicy | None, classes: tuple[type[nn.Module], ...]) -> None:
+        self._base = base
+        self._classes = classes
+
+    def descend(self, module: nn.Module, name: str) -> bool:
+        return True if self._base is None else self._base.descend(module, name)
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
+        if isinstance(module, self._classes) and name:
+            return {"mixed_precision": None}
+        return False if self._base is None else self._base.wrap(module, name, unwrapped_numel)
+
+
+def _collect_specs(
+    module: nn.Module,
+    ignored_modules: frozenset[nn.Module],
+    ignored_params: frozenset[nn.Parameter],
+) -> list[FlatParamSpec]:
+    """The parameters this wrapper flattens: not ignored, not inside an inner wrapper."""
+    found: dict[int, tuple[str, nn.Parameter, list[ParamOwner]]] = {}
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if mod in ignored_modules or isinstance(mod, FullyShardedDataParallel):
+            return
+        for name, param in mod._parameters.items():
+            if param is None or param in ignored_params:
+                continue
+            entry = found.setdefault(id(param), (prefix + name, param, []))
+            entry[2].append(ParamOwner(mod, name))
+        for child_name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{child_name}.")
+
+    visit(module, "")
+    return [FlatParamSpec(fqn, param, owners) for fqn, param, owners in found.values()]
+
+
+def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: str) -> None:
+    frozen = [s.fqn for s in specs if not s.param.requires_grad]
+    trainable = [s.fqn for s in specs if s.param.requires_grad]
+    if not frozen or not trainable:
+        return
+    if not use_orig_params:
+        raise ValueError(
+            f"FullyShardedDataParallel({name}): one flat parameter cannot mix frozen and "
+            f"trainable parameters with use_orig_params=False; frozen: {', '.join(frozen)}; "
+            f"trainable: {', '.join(trainable)}. Wrap them in separate units (an "
+            "auto_wrap_policy), or pass use_orig_params=True"
+        )
+    warnings.warn(
+        f"FullyShardedDataParallel({name}): frozen and trainable parameters share a unit, so "
+        f"gradient memory is spent on the frozen ones too ({', '.join(frozen)}); wrap them "
+        "separately to avoid it",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: frozenset[nn.Module]) -> None:
+    for mod in module.modules():
+        if mod in ignored or isinstance(mod, FullyShardedDataParallel):
+            continue
+        for name, buffer in mod._buffers.items():
+            if buffer is not None and torch.is_floating_point(buffer):
+                mod._buffers[name] = buffer.to(dtype)
+
+
+def _strip_prefixes(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    for key in [k for k in state_dict if WRAPPED_PREFIX in k or k.endswith(_WRAPPED)]:
+        state_dict[clean_fqn(key)] = state_dict.pop(key)
+
+
+def _state(wrapper: FullyShardedDataParallel) -> ShardState:
+    state = get_state(wrapper)
+    assert state is not None
+    return state
+
+
+def _inner_states(module: nn.Module) -> list[ShardState]:
+    states: list[ShardState] = []
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None and state not in states:
+            states.append(state)
+    return states
+
+
+def _tree_states(module: nn.Module) -> list[ShardState]:
+    return _inner_states(module)
+
+
+# ---------------------------------------------------------------------- gradient clipping
+
+
+def _clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
+    states = _tree_states(root)
+    sharded: list[torch.Tensor] = []
+    seen: set[int] = set()
+    shard_group: dist.ProcessGroup | None = None
+    shard_world = 1
+    for s in states:
+        group = s.unit.group
+        assert isinstance(group, FlatParamGroup)
+        shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
+        for p in group.registered_params():
+            seen.add(id(p))
+            if p.grad is not None:
+                sharded.append(p.grad)
+    replicated = [p.grad for p in root.parameters() if id(p) not in seen and p.grad is not None]
+    device = (sharded or replicated or [torch.zeros(())])[0].device
+    if math.isinf(norm_type):
+        local = _norm(sharded, norm_type, device)
+        if shard_group is not None and shard_world > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=shard_group)
+        total = torch.maximum(local, _norm(replicated, norm_type, device))
+    else:
+        local = _norm(sharded, norm_type, device) ** norm_type
+        if shard_group is not None and shard_world > 1:
+            dist.all_reduce(local, group=shard_group)
+        total = (local + _norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for grad in (*sharded, *replicated):
+            grad.mul_(coef.to(grad.dtype))
+    return total
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+    total: torch.Tensor = torch.linalg.vector_norm(norms, norm_type)
+    return total
+
+
+# ---------------------------------------------------------------------- summon_full_params
+
+
+@contextlib.contextmanager
+def _summon(
+    module: nn.Module,
+    recurse: bool,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    if rank0_only and writeback:
+        raise ValueError(
+            "summon_full_params: rank0_only=True cannot write back (other ranks see no full "
+            "parameters); pass writeback=False"
+        )
+    if recurse:
+        states = _tree_states(module)
+    else:
+        own = get_state(module)
+        states = [own] if own is not None else []
+    for s in states:
+        if s.unit.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                "summon_full_params: cannot run during forward or backward; call it between steps"
+            )
+        group = s.unit.group
+        if with_grads and not (isinstance(group, FlatParamGroup) and group.use_orig_params):
+            raise ValueError("summon_full_params: with_grads=True needs use_orig_params=True")
+    with contextlib.ExitStack() as stack:
+        for s in states:
+            stack.enter_context(_summon_unit(s, writeback, rank0_only, offload_to_cpu, with_grads))
+        yield
+
+
+@contextlib.contextmanager
+def _summon_unit(
+    state: ShardState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> Iterator[None]:
+    unit = state.unit
+    group = unit.group
+    if group.is_empty or not isinstance(group, FlatParamGroup):
+        yield
+        return
+    if unit.sharded_state is not ShardedState.SHARDED:
+        unit.reshard()
+    device = unit.compute_device
+    shard = group.shard.to(device)
+    full = torch.empty(unit.shard_world * shard.numel(), dtype=shard.dtype, device=device)
+    all_gather(full, shard, unit.shard_group, label=f"{unit.comm_label} summon").wait()
+    full_grad: torch.Tensor | None = None
+    if with_grads:
+        local_grad = torch.zeros_like(shard)
+        for spec, info in zip(group._shard_specs(), group.meta.params, strict=True):
+            if spec.param.grad is not None:
+                local_grad.narrow(0, info.offset_in_range, info.numel_in_range).copy_(
+                    spec.param.grad
+                )
+        full_grad = torch.empty_like(full)
+        all_gather(
+            full_grad, local_grad, unit.shard_group, label=f"{unit.comm_label} summon"
+        ).wait()
+    if offload_to_cpu:
+        full = full.cpu()
+        full_grad = full_grad.cpu() if full_grad is not None else None
+    show = not rank0_only or dist.get_rank() == 0
+    if not show:
+        yield
+        return
+    rank = unit.mesh.get_local_rank(unit.mesh.ndim - 1)
+    n = shard.numel()
+    with group.full_precision_views(full):
+        if full_grad is not None:
+            for spec, grad in zip(group.specs, group._views(full_grad), strict=True):
+                spec.param.grad = grad
+        try:
+            yield
+        finally:
+            if writeback:
+                with torch.no_grad():
+                    group.shard.copy_(full[rank * n : (rank + 1) * n])
+            if full_grad is not None:
+                for spec in group.specs:
+                    spec.param.grad = None
+    if full_grad is not None:
+        # Back on the shard views: restore each parameter's sharded gradient.
+        group.accumulate(full_grad[rank * n : (rank + 1) * n].to(unit.compute_device))

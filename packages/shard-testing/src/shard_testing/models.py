@@ -1,0 +1,61 @@
+"""Small models that parity tests of both front ends train, sharded and in one process.
+
+Sizes are chosen so that shards are uneven at 3 and 4 ranks (10 rows, 21
+rows) and every block holds weights and biases: the cases where sharding
+bugs hide.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["DIM_IN", "DIM_OUT", "HIDDEN", "ResidualBlock", "ToyNet", "toy_batches"]
+
+DIM_IN, HIDDEN, DIM_OUT = 6, 10, 3
+
+
+class ResidualBlock(nn.Module):
+    """``x + outer(tanh(inner(x)))``: two linear layers, 10 and 21 rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(HIDDEN, 2 * HIDDEN + 1)
+        self.outer = nn.Linear(2 * HIDDEN + 1, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+class ToyNet(nn.Module):
+    """An input projection, ``blocks`` residual blocks in a ``ModuleList``, a head."""
+
+    def __init__(self, blocks: int = 3, *, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(DIM_IN, HIDDEN)
+        self.blocks = nn.ModuleList(ResidualBlock() for _ in range(blocks))
+        self.head = nn.Linear(HIDDEN, DIM_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def toy_batches(
+    world_size: int, steps: int, *, batch: int = 4, microbatches: int = 1, seed: int = 1234
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """``[step][microbatch][rank] -> (x, y)`` for :class:`ToyNet`, the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        [
+            [
+                (torch.randn(batch, DIM_IN, generator=g), torch.randn(batch, DIM_OUT, generator=g))
+                for _ in range(world_size)
+            ]
+            for _ in range(microbatches)
+        ]
+        for _ in range(steps)
+    ]
