@@ -1,0 +1,789 @@
+"""Training benchmark: shard's ``fully_shard`` side by side with PyTorch's.
+
+Why: ``shard_runtime.fully_shard`` is meant as a drop-in for PyTorch's
+``fully_shard`` (FSDP2), so its speed and memory are only meaningful as
+ratios against FSDP2 measured in the same run, on the same model, data and
+machine. This script trains :class:`gpt.GPT` on synthetic tokens four ways:
+
+- ``single``: one process over the whole global batch (the loss reference);
+- ``ddp``: ``DistributedDataParallel``, every rank a full replica;
+- ``torch_fsdp``: PyTorch ``fully_shard`` on every block, then the root;
+- ``shard_fsdp``: shard ``fully_shard``, applied the same way;
+
+each in its own freshly spawned processes (gloo, ``torch.set_num_threads(
+cores // world_size)`` in every process, ``single``'s included), so one
+implementation's peak RSS never includes another's. Every rank trains on its
+own slice of the same global batches, and ``single`` on the concatenation,
+so every implementation must produce the same losses.
+
+Run from the repository root::
+
+    .venv/bin/python tools/bench/bench_train.py --world-size 2 --layers 4 \\
+        --d-model 256 --heads 4 --seq 128 --batch 8 --steps 12 --warmup 3 --repeat 2
+
+[Note: what is measured]
+- step time: forward + loss + backward + optimizer step, timed with
+  ``time.perf_counter`` after a barrier; a step's time is the slowest rank's,
+  and the reported figure is the median over the post-warmup steps. With
+  ``--repeat R`` every implementation runs R times in ABBA order and the
+  figure is the lowest of the R medians: on a shared machine a repeat either
+  runs undisturbed (wall time close to CPU time) or waits for the
+  neighbours' processes, and only the undisturbed ones compare the code.
+- cpu time: ``time.process_time`` of a step (every thread of the rank,
+  gloo's included), slowest rank, median; steady under load.
+- phases: wall time of forward + loss, of backward, of the optimizer step.
+- tokens/s: global tokens per step (``world_size * batch * seq``) / step time.
+- peak RSS: ``ru_maxrss`` of each rank process (KiB on Linux), which includes
+  the interpreter and torch itself; ``base`` is the same figure taken just
+  before the model is built, so ``peak - base`` is what training added.
+- resident state: bytes of the local tensors (``DTensor.to_local()``) of the
+  parameters, their ``.grad`` and the optimizer state after the last step.
+  Full state / N is computed from the model's shapes on the meta device. The
+  JSON also holds the bytes of the storages behind them (padding included)
+  and whether every parameter was a DTensor (the report warns if a sharded
+  implementation left one unsharded).
+- final loss: the last step's loss, averaged over ranks.
+
+[Note: profiling]
+``--profile`` profiles rank 0 of both ``fully_shard`` implementations over
+the post-warmup steps and writes the profiles and a text summary (self time
+grouped by origin: engine Python, DTensor, collectives, copies, compute)
+under ``--profile-dir``. ``cprofile`` clocks wall time (waits included),
+``cprofile-cpu`` the main thread's CPU time (what the rank itself spends,
+steady on a loaded machine), ``torch`` runs ``torch.profiler`` (per-op table
+and a Chrome trace). Profiled step times are inflated and marked as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt import GPT, GPTConfig, synthetic_tokens
+
+IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp")
+REFERENCE = "torch_fsdp"
+FSDP_IMPLS = ("torch_fsdp", "shard_fsdp")
+PHASES = ("forward", "backward", "optimizer")
+PROFILERS = ("cprofile", "cprofile-cpu", "torch")
+STEP_TIME_TARGET = 1.00
+STEP_TIME_AIM = 0.90
+STATE_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark invocation.
+
+    Attributes:
+        model: sizes of the GPT.
+        world_size: ranks of every distributed implementation.
+        batch: sequences per rank per step (``single`` runs ``world_size * batch``).
+        steps: timed steps after warmup.
+        warmup: untimed steps first.
+        lr: AdamW learning rate.
+        seed: seed of the model init and of the synthetic data.
+        threads: ``torch.set_num_threads`` of every rank process (``single``'s too,
+            so it does ``world_size`` ranks' work with one rank's cores).
+        profile: ``None`` or one of ``PROFILERS``; see [Note: profiling].
+        profile_dir: where profiles go.
+    """
+
+    model: GPTConfig
+    world_size: int
+    batch: int
+    steps: int
+    warmup: int
+    lr: float
+    seed: int
+    threads: int
+    profile: str | None = None
+    profile_dir: str = "runs/bench_train_profile"
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step across all ranks."""
+        return self.world_size * self.batch
+
+
+@dataclass
+class RankResult:
+    """What one rank measured; see [Note: what is measured]."""
+
+    rank: int
+    threads: int
+    step_times: list[float]
+    step_cpu_times: list[float]
+    phase_times: dict[str, list[float]]  # "forward", "backward", "optimizer": wall seconds
+    losses: list[float]
+    peak_rss: int
+    base_rss: int
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    storage_bytes: int
+    all_dtensor: bool
+    profiled: bool
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameter + gradient + optimizer state bytes resident on this rank."""
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+
+def _slowest_rank(per_rank: list[list[float]]) -> list[float]:
+    """Step by step, the largest value over ranks."""
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+@dataclass
+class ImplResult:
+    """One implementation, aggregated over its ranks and repeats.
+
+    A step's time is its slowest rank's. Timing figures come from the *best
+    repeat*, the one with the lowest median step time: on a shared machine the
+    other repeats measure the neighbours' load (see [Note: what is measured]).
+    ``ranks`` is the first repeat's ranks (losses and resident state are the
+    same in every repeat; the analysis checks the losses); peak RSS is the
+    largest over repeats.
+    """
+
+    impl: str
+    runs: list[list[RankResult]]
+    global_tokens: int
+    run_medians: list[float] = field(init=False)
+    best: list[RankResult] = field(init=False)
+    losses: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.run_medians = [
+            statistics.median(_slowest_rank([r.step_times for r in ranks])) for ranks in self.runs
+        ]
+        self.best = self.runs[self.run_medians.index(min(self.run_medians))]
+        self.losses = [
+            statistics.fmean(values) for values in zip(*(r.losses for r in self.ranks), strict=True)
+        ]
+
+    @property
+    def ranks(self) -> list[RankResult]:
+        """The first repeat's ranks."""
+        return self.runs[0]
+
+    @property
+    def median_step_s(self) -> float:
+        """Median step time of the best repeat."""
+        return min(self.run_medians)
+
+    @property
+    def pooled_median_step_s(self) -> float:
+        """Median step time over every timed step of every repeat."""
+        pooled: list[float] = []
+        for ranks in self.runs:
+            pooled += _slowest_rank([r.step_times for r in ranks])
+        return statistics.median(pooled)
+
+    @property
+    def median_cpu_s(self) -> float:
+        """Median over the best repeat's steps of the largest per-rank process CPU time."""
+        return statistics.median(_slowest_rank([r.step_cpu_times for r in self.best]))
+
+    def median_phase_s(self, phase: str) -> float:
+        """Median over the best repeat's steps of the slowest rank's wall time in ``phase``."""
+        return statistics.median(_slowest_rank([r.phase_times[phase] for r in self.best]))
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Global tokens per second at the median step time."""
+        return self.global_tokens / self.median_step_s
+
+    @property
+    def final_loss(self) -> float:
+        """Last step's loss, mean over ranks."""
+        return self.losses[-1]
+
+    @property
+    def peak_rss_per_rank(self) -> list[int]:
+        """Each rank's largest peak RSS over repeats."""
+        return [max(ranks[i].peak_rss for ranks in self.runs) for i in range(len(self.ranks))]
+
+    @property
+    def peak_rss_over_base_per_rank(self) -> list[int]:
+        """Each rank's largest ``peak - base`` RSS over repeats."""
+        return [
+            max(ranks[i].peak_rss - ranks[i].base_rss for ranks in self.runs)
+            for i in range(len(self.ranks))
+        ]
+
+    @property
+    def peak_rss(self) -> int:
+        """Largest peak RSS over ranks and repeats."""
+        return max(self.peak_rss_per_rank)
+
+    @property
+    def state_bytes(self) -> int:
+        """Largest resident parameter + gradient + optimizer bytes over ranks."""
+        return max(r.state_bytes for r in self.ranks)
+
+
+# ---------------------------------------------------------------------- rank side
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        assert isinstance(local, torch.Tensor)
+        return local
+    return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _resident(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    tensors: list[torch.Tensor] = []
+    param_bytes = grad_bytes = optim_bytes = 0
+    all_dtensor = True
+    for p in model.parameters():
+        all_dtensor &= isinstance(p, DTensor)
+        local = _local(p)
+        tensors.append(local)
+        param_bytes += _nbytes(local)
+        if p.grad is not None:
+            grad = _local(p.grad)
+            tensors.append(grad)
+            grad_bytes += _nbytes(grad)
+    for state in optim.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = _local(value)
+                tensors.append(local)
+                optim_bytes += _nbytes(local)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optim_bytes": optim_bytes,
+        "storage_bytes": sum(storages.values()),
+        "all_dtensor": all_dtensor,
+    }
+
+
+def _wrap(impl: str, model: GPT, mesh: DeviceMesh | None) -> nn.Module:
+    if impl == "single":
+        return model
+    if impl == "ddp":
+        return DistributedDataParallel(model)
+    assert mesh is not None
+    if impl == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        for block in model.iter_blocks():
+            torch_fully_shard(block, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
+        return model
+    if impl == "shard_fsdp":
+        from shard_runtime import fully_shard as shard_fully_shard
+
+        for block in model.iter_blocks():
+            shard_fully_shard(block, mesh=mesh)
+        shard_fully_shard(model, mesh=mesh)
+        return model
+    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+
+
+class _Profiler:
+    """cProfile or torch.profiler around the timed steps of rank 0, or nothing."""
+
+    def __init__(self, cfg: BenchConfig, impl: str, rank: int) -> None:
+        self.kind = cfg.profile if rank == 0 and impl in FSDP_IMPLS else None
+        self.out = Path(cfg.profile_dir) / impl
+        self._cprofile: cProfile.Profile | None = None
+        self._torch: torch.profiler.profile | None = None
+
+    def start(self) -> None:
+        if self.kind == "cprofile":
+            self._cprofile = cProfile.Profile()
+            self._cprofile.enable()
+        elif self.kind == "cprofile-cpu":
+            self._cprofile = cProfile.Profile(time.thread_time)
+            self._cprofile.enable()
+        elif self.kind == "torch":
+            self._torch = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+            )
+            self._torch.start()
+
+    def stop(self, steps: int) -> None:
+        if self.kind is None:
+            return
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if self._cprofile is not None:
+            self._cprofile.disable()
+            self._cprofile.dump_stats(f"{self.out}.{self.kind}")
+            text = io.StringIO()
+            stats = pstats.Stats(self._cprofile, stream=text)
+            clock = "main-thread CPU" if self.kind == "cprofile-cpu" else "wall"
+            text.write(f"# {steps} steps, {clock} time\n\nself time by origin, ms per step:\n")
+            for origin, seconds in _cprofile_origins(stats).items():
+                text.write(f"  {origin:<44} {seconds / steps * 1e3:9.1f}\n")
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(60)
+            Path(f"{self.out}.{self.kind}.txt").write_text(text.getvalue())
+        if self._torch is not None:
+            self._torch.stop()
+            self._torch.export_chrome_trace(f"{self.out}.trace.json")
+            table = self._torch.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
+            Path(f"{self.out}.torch.txt").write_text(f"# {steps} steps\n{table}\n")
+
+
+# Where self time is spent, from a cProfile key ``(file, line, function)``;
+# first match wins. C++ compute called from Python shows as a builtin.
+_ORIGINS = (
+    ("shard engine (python)", ("/shard_runtime/", "/shard_comms/", "/shard_core/"), ()),
+    ("torch FSDP2 (python)", ("/torch/distributed/fsdp/",), ()),
+    ("DTensor (python)", ("/torch/distributed/tensor/",), ()),
+    ("optimizer (python)", ("/torch/optim/",), ()),
+    ("collective wait", (), ("_distributed_c10d.wait",)),
+    ("barrier (before timing)", (), ("_distributed_c10d.barrier",)),
+    ("collective issue", (), ("_distributed_c10d.",)),
+    ("autograd engine (backward compute)", (), ("run_backward",)),
+    ("copies (copy_, split/chunk copies)", (), ("copy_", "_copy", "chunk_cat")),
+    ("other torch builtins (compute, alloc)", (), ("torch",)),
+)
+
+
+def _cprofile_origins(stats: pstats.Stats) -> dict[str, float]:
+    """Total self time (seconds) per origin in ``_ORIGINS``, plus ``other python``."""
+    totals = {name: 0.0 for name, _, _ in _ORIGINS} | {"other python": 0.0}
+    entries: dict[tuple[str, int, str], tuple[Any, ...]] = stats.stats  # type: ignore[attr-defined]
+    for (filename, _, function), (_, _, self_time, *_rest) in entries.items():
+        origin = "other python"
+        for name, paths, functions in _ORIGINS:
+            if any(p in filename for p in paths) or (
+                filename == "~" and any(f in function for f in functions)
+            ):
+                origin = name
+                break
+        totals[origin] += self_time
+    return totals
+
+
+def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: Any) -> None:
+    """Train ``impl`` on this rank and put a :class:`RankResult` on ``queue``."""
+    world = 1 if impl == "single" else cfg.world_size
+    threads = cfg.threads
+    torch.set_num_threads(threads)
+    mesh: DeviceMesh | None = None
+    if world > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        mesh = init_device_mesh("cpu", (world,))
+    try:
+        base_rss = _peak_rss()
+        torch.manual_seed(cfg.seed)
+        model = _wrap(impl, GPT(cfg.model), mesh)
+        optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
+        per_rank = cfg.global_batch // world
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        profiler = _Profiler(cfg, impl, rank)
+        step_times: list[float] = []
+        step_cpu_times: list[float] = []
+        phase_times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        losses: list[float] = []
+        for step in range(cfg.warmup + cfg.steps):
+            tokens = synthetic_tokens(cfg.model, cfg.global_batch, seed=cfg.seed, step=step)[rows]
+            inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+            if step == cfg.warmup:
+                profiler.start()
+            if world > 1:
+                dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            optim.zero_grad(set_to_none=True)
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            forward_end = time.perf_counter()
+            loss.backward()  # type: ignore[no-untyped-call]
+            backward_end = time.perf_counter()
+            optim.step()
+            end, end_cpu = time.perf_counter(), time.process_time()
+            losses.append(loss.item())
+            if step >= cfg.warmup:
+                step_times.append(end - start)
+                step_cpu_times.append(end_cpu - start_cpu)
+                phase_times["forward"].append(forward_end - start)
+                phase_times["backward"].append(backward_end - forward_end)
+                phase_times["optimizer"].append(end - backward_end)
+        profiler.stop(cfg.steps)
+        resident = _resident(model, optim)
+        queue.put(
+            RankResult(
+                rank=rank,
+                threads=threads,
+                step_times=step_times,
+                step_cpu_times=step_cpu_times,
+                phase_times=phase_times,
+                losses=losses,
+                peak_rss=_peak_rss(),
+                base_rss=base_rss,
+                profiled=profiler.kind is not None,
+                **resident,
+            )
+        )
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- driver side
+
+
+def _run_impl(impl: str, cfg: BenchConfig) -> list[RankResult]:
+    """One run of ``impl`` in fresh processes; its ranks' results, by rank."""
+    world = 1 if impl == "single" else cfg.world_size
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    results: list[RankResult] = []
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, impl, cfg, init_file, queue))
+            for rank in range(world)
+        ]
+        for proc in procs:
+            proc.start()
+        try:
+            while len(results) < world:
+                try:
+                    results.append(queue.get(timeout=1.0))
+                except Empty:
+                    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
+                    if failed:
+                        rank, code = failed[0]
+                        raise RuntimeError(
+                            f"{impl}: rank {rank} exited with code {code} before reporting; "
+                            "its traceback is above"
+                        ) from None
+            for proc in procs:
+                proc.join()
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join()
+    return sorted(results, key=lambda r: r.rank)
+
+
+def _schedule(impls: list[str], repeat: int) -> list[str]:
+    """``impls`` ``repeat`` times, every other pass reversed (ABBA), so drift hits all alike."""
+    order: list[str] = []
+    for index in range(repeat):
+        order += impls if index % 2 == 0 else impls[::-1]
+    return order
+
+
+def _full_state_bytes(model_cfg: GPTConfig) -> int:
+    """Parameters + gradients + AdamW ``exp_avg``/``exp_avg_sq`` + one scalar ``step`` each."""
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    params = list(model.parameters())
+    return sum(4 * _nbytes(p) for p in params) + len(params) * 4
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else abs(a - b)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float) -> dict[str, Any]:
+    full = _full_state_bytes(cfg.model)
+    per_rank_ideal = full / cfg.world_size
+    loss_ref_name = "single" if "single" in results else next(iter(results))
+    loss_ref = results[loss_ref_name]
+    losses: dict[str, Any] = {}
+    for name, r in results.items():
+        per_step = [_rel(a, b) for a, b in zip(r.losses, loss_ref.losses, strict=True)]
+        repeats_agree = all(
+            [x.losses for x in ranks] == [x.losses for x in r.ranks] for ranks in r.runs
+        )
+        losses[name] = {
+            "final": r.final_loss,
+            "final_rel_diff": _rel(r.final_loss, loss_ref.final_loss),
+            "max_rel_diff_any_step": max(per_step),
+            "repeats_bitwise_equal": repeats_agree,
+        }
+    losses_match = all(v["max_rel_diff_any_step"] <= loss_rtol for v in losses.values())
+    state: dict[str, Any] = {}
+    for name in FSDP_IMPLS:
+        if name in results:
+            worst = max(_rel(rank.state_bytes, per_rank_ideal) for rank in results[name].ranks)
+            state[name] = {"max_rel_diff_vs_full_over_n": worst, "met": worst <= STATE_TOLERANCE}
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    if REFERENCE in results:
+        ref = results[REFERENCE]
+        for name, r in results.items():
+            ratios[name] = {
+                "step_time": r.median_step_s / ref.median_step_s,
+                "cpu_time": r.median_cpu_s / ref.median_cpu_s,
+                "tokens_per_s": r.tokens_per_s / ref.tokens_per_s,
+                "peak_rss": r.peak_rss / ref.peak_rss,
+                "peak_rss_over_base": (
+                    max(r.peak_rss_over_base_per_rank) / max(ref.peak_rss_over_base_per_rank)
+                ),
+                "state_bytes": r.state_bytes / ref.state_bytes,
+            }
+        if "shard_fsdp" in results and "shard_fsdp" in state:
+            shard = ratios["shard_fsdp"]
+            targets = {
+                "step_time_ratio_le_1.00": shard["step_time"] <= STEP_TIME_TARGET,
+                "step_time_ratio_le_0.90_aim": shard["step_time"] <= STEP_TIME_AIM,
+                "peak_rss_le_torch": shard["peak_rss"] <= 1.0,
+                "state_within_0.1pct_of_full_over_n": state["shard_fsdp"]["met"],
+            }
+    return {
+        "full_state_bytes": full,
+        "full_state_over_n_bytes": per_rank_ideal,
+        "loss_reference": loss_ref_name,
+        "loss_rtol": loss_rtol,
+        "losses": losses,
+        "losses_match": losses_match,
+        "state": state,
+        "ratios_vs_torch_fsdp": ratios,
+        "targets": targets,
+    }
+
+
+def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str, Any]) -> str:
+    repeat = len(next(iter(results.values())).runs)
+    lines = [
+        f"model: {cfg.model}",
+        f"world_size={cfg.world_size} batch/rank={cfg.batch} global tokens/step="
+        f"{cfg.global_batch * cfg.model.seq_len} steps={cfg.steps} warmup={cfg.warmup} "
+        f"repeat={repeat} threads/rank={cfg.threads}",
+        "",
+        f"{'impl':<11} {'step ms':>8} {'per-repeat':>15} {'cpu ms':>7} {'tokens/s':>9} "
+        f"{'peakRSS MiB/rank':>17} {'(over base)':>12} {'state MiB/rank':>15} {'final loss':>10}",
+    ]
+    for name, r in results.items():
+        runs = "/".join(f"{m * 1e3:.0f}" for m in r.run_medians)
+        rss = "/".join(_mib(x) for x in r.peak_rss_per_rank)
+        over = "/".join(_mib(x) for x in r.peak_rss_over_base_per_rank)
+        state = "/".join(_mib(x.state_bytes) for x in r.ranks)
+        flag = " (profiled)" if any(x.profiled for ranks in r.runs for x in ranks) else ""
+        lines.append(
+            f"{name:<11} {r.median_step_s * 1e3:>8.1f} {runs:>15} {r.median_cpu_s * 1e3:>7.0f} "
+            f"{r.tokens_per_s:>9.0f} {rss:>17} {over:>12} {state:>15} {r.final_loss:>10.6f}{flag}"
+        )
+    lines.append("")
+    lines.append(f"{'phases ms':<11} {'forward':>8} {'backward':>9} {'optimizer':>10}")
+    for name, r in results.items():
+        fwd, bwd, opt = (r.median_phase_s(phase) * 1e3 for phase in PHASES)
+        lines.append(f"{name:<11} {fwd:>8.1f} {bwd:>9.1f} {opt:>10.1f}")
+    lines.append(
+        f"full state {_mib(analysis['full_state_bytes'])} MiB; "
+        f"full/N = {_mib(analysis['full_state_over_n_bytes'])} MiB"
+    )
+    ratios = analysis["ratios_vs_torch_fsdp"]
+    if ratios:
+        lines += [
+            "",
+            f"ratios vs {REFERENCE}: step time  cpu time  tokens/s  peak RSS  (over base)  state",
+        ]
+        for name, q in ratios.items():
+            lines.append(
+                f"  {name:<11} {q['step_time']:>15.3f} {q['cpu_time']:>9.3f} "
+                f"{q['tokens_per_s']:>9.3f} {q['peak_rss']:>9.3f} {q['peak_rss_over_base']:>11.3f} "
+                f"{q['state_bytes']:>6.3f}"
+            )
+    for name, s in analysis["state"].items():
+        lines.append(
+            f"{name}: state per rank vs full/N: max rel diff {s['max_rel_diff_vs_full_over_n']:.2e}"
+        )
+        if not all(x.all_dtensor for x in results[name].ranks):
+            lines.append(f"WARNING {name}: some parameters are not DTensors after the last step")
+    lines.append("")
+    lines.append(f"losses vs {analysis['loss_reference']} (rtol {analysis['loss_rtol']:g}):")
+    for name, v in analysis["losses"].items():
+        lines.append(
+            f"  {name:<11} final {v['final']:.6f}  final rel diff {v['final_rel_diff']:.2e}  "
+            f"max rel diff over steps {v['max_rel_diff_any_step']:.2e}"
+            + ("" if v["repeats_bitwise_equal"] else "  (repeats differ)")
+        )
+    lines.append(f"losses match: {'yes' if analysis['losses_match'] else 'NO'}")
+    if analysis["targets"]:
+        lines.append("")
+        lines.append("shard targets:")
+        for name, met in analysis["targets"].items():
+            lines.append(f"  {name:<36} {'met' if met else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Args:
+    cfg: BenchConfig
+    impls: list[str]
+    repeat: int
+    loss_rtol: float
+    json_out: str | None
+
+
+def _parse(argv: list[str] | None) -> _Args:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--mlp-ratio", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of each implementation, in ABBA order"
+    )
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads per rank (default cores // world)"
+    )
+    parser.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help=f"comma-separated subset of {','.join(IMPLS)}",
+    )
+    parser.add_argument("--loss-rtol", type=float, default=1e-4)
+    parser.add_argument("--profile", choices=PROFILERS, default=None)
+    parser.add_argument("--profile-dir", default="runs/bench_train_profile")
+    parser.add_argument("--json", default=None, help="write every measurement to this file")
+    args = parser.parse_args(argv)
+    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    unknown = [name for name in impls if name not in IMPLS]
+    if unknown or not impls:
+        parser.error(f"--impls: unknown {unknown or impls}; choose from {', '.join(IMPLS)}")
+    if min(args.steps, args.repeat, args.batch) < 1 or args.warmup < 0 or args.world_size < 2:
+        parser.error("need --steps, --repeat, --batch >= 1, --warmup >= 0 and --world-size >= 2")
+    cores = os.cpu_count() or 1
+    cfg = BenchConfig(
+        model=GPTConfig(
+            vocab_size=args.vocab,
+            d_model=args.d_model,
+            n_heads=args.heads,
+            n_layers=args.layers,
+            seq_len=args.seq,
+            mlp_ratio=args.mlp_ratio,
+        ),
+        world_size=args.world_size,
+        batch=args.batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        seed=args.seed,
+        threads=args.threads or max(1, cores // args.world_size),
+        profile=args.profile,
+        profile_dir=args.profile_dir,
+    )
+    return _Args(cfg, impls, args.repeat, args.loss_rtol, args.json)
+
+
+def _record(
+    cfg: BenchConfig,
+    results: dict[str, ImplResult],
+    analysis: dict[str, Any],
+    env: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "config": asdict(cfg),
+        "env": env,
+        "results": {
+            name: {
+                "median_step_s": r.median_step_s,
+                "median_step_s_per_repeat": r.run_medians,
+                "pooled_median_step_s": r.pooled_median_step_s,
+                "median_cpu_s": r.median_cpu_s,
+                "median_phase_s": {phase: r.median_phase_s(phase) for phase in PHASES},
+                "tokens_per_s": r.tokens_per_s,
+                "peak_rss_bytes_per_rank": r.peak_rss_per_rank,
+                "peak_rss_over_base_bytes_per_rank": r.peak_rss_over_base_per_rank,
+                "state_bytes": r.state_bytes,
+                "losses": r.losses,
+                "runs": [
+                    [asdict(x) | {"state_bytes": x.state_bytes} for x in ranks] for ranks in r.runs
+                ],
+            }
+            for name, r in results.items()
+        },
+        "analysis": analysis,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; exit status 1 if the losses of the implementations disagree."""
+    args = _parse(argv)
+    cfg = args.cfg
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    runs: dict[str, list[list[RankResult]]] = {impl: [] for impl in args.impls}
+    for impl in _schedule(args.impls, args.repeat):
+        t0 = time.perf_counter()
+        runs[impl].append(_run_impl(impl, cfg))
+        print(f"[{impl}] done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    tokens = cfg.global_batch * cfg.model.seq_len
+    results = {impl: ImplResult(impl, impl_runs, tokens) for impl, impl_runs in runs.items()}
+    analysis = _analyse(cfg, results, args.loss_rtol)
+    load_after = os.getloadavg()
+    print(_report(cfg, results, analysis))
+    print(
+        f"\nwall {time.perf_counter() - started:.0f}s; load average before "
+        f"{load_before[0]:.2f}, after {load_after[0]:.2f} (1 min) on {os.cpu_count()} cores"
+    )
+    if args.json_out is not None:
+        env = {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cores": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": load_after,
+            "argv": sys.argv,
+        }
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(_record(cfg, results, analysis, env), indent=2) + "\n")
+    return 0 if analysis["losses_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
