@@ -31,6 +31,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from shard_runtime._options import MixedPrecisionPolicy
+from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
@@ -156,6 +157,10 @@ class ShardState:
             )
         for state in states:
             state.root = self
+        if order_check_enabled() and self.on_forward_gather is None:
+            checker = ForwardOrderChecker(None)
+            self.on_forward_gather = checker.record
+            self.on_iteration_end = checker.end_iteration
 
     def name_inner_units(self) -> None:
         """Label every unit below this one by its qualified name under this one's module(s)."""
