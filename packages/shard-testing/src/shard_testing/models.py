@@ -24,7 +24,8 @@ class ResidualBlock(nn.Module):
         self.outer = nn.Linear(2 * HIDDEN + 1, HIDDEN)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
+        out: torch.Tensor = x + self.outer(torch.tanh(self.inner(x)))
+        return out
 
 
 class ToyNet(nn.Module):
@@ -41,7 +42,8 @@ class ToyNet(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
-        return self.head(h)
+        out: torch.Tensor = self.head(h)
+        return out
 
 
 def toy_batches(
