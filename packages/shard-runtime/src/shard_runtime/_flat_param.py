@@ -13,7 +13,10 @@ Two faces, as in PyTorch's wrapper:
 - ``use_orig_params=False``: the unit registers one ``nn.Parameter``, the
   flat shard (``_flat_param``), on its wrapper; the original parameters are
   removed from their modules and come back as plain tensor views only while
-  the unit is unsharded.
+  the unit is unsharded. In between, each module holds a shape-only
+  placeholder (a meta tensor of the parameter's full shape and dtype) under
+  the parameter's name, so that ``print(model)`` and shape checks work, as
+  with PyTorch's wrapper; reading values needs ``summon_full_params``.
 - ``use_orig_params=True``: the original ``nn.Parameter`` objects stay (the
   optimizer holds them). Between steps each one's ``.data`` is its 1-D piece
   of the local shard (possibly empty) and its ``.grad`` the matching piece of
@@ -76,8 +79,13 @@ class FlatParamGroup:
         self.flat_param: nn.Parameter | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._views_registered = False
+        self._placeholders: list[torch.Tensor] = []  # use_orig_params=False; full shapes, meta
+        self.unsharded = torch.empty(0)
+        self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
         if not specs:
+            # A unit whose children hold every parameter (a root over wrapped blocks).
             self.layout: FlatLayout | None = None
+            self.shard = torch.empty(0, device=shard_device)
             return
         dtype = specs[0].param.dtype
         element = torch.empty((), dtype=dtype).element_size()
@@ -104,8 +112,7 @@ class FlatParamGroup:
             for spec in specs:
                 for owner in spec.owners:
                     owner.module._parameters.pop(owner.name, None)
-        self.unsharded = torch.empty(0)
-        self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
+            self._register_placeholders()
 
     # ------------------------------------------------------------------ facts
 
@@ -170,6 +177,7 @@ class FlatParamGroup:
         current = self.flat_param if self.flat_param is not None else None
         if current is not None and current.data.data_ptr() != self.shard.data_ptr():
             self.shard = current.data
+            self._register_placeholders()  # in the new dtype
         elif self.use_orig_params:
             moved = [s.param for s in self.specs if s.param.numel() > 0]
             if moved and (
@@ -232,6 +240,8 @@ class FlatParamGroup:
                     owner.module.__dict__.pop(owner.name, None)
                     if self.use_orig_params:
                         owner.module._parameters[owner.name] = spec.param
+            if not self.use_orig_params:
+                self._register_placeholders()
             self._views_registered = False
         self._free()
 
@@ -255,6 +265,8 @@ class FlatParamGroup:
                     owner.module.__dict__.pop(owner.name, None)
             if self.use_orig_params:
                 self._point_orig_params_at_shard()
+            else:
+                self._register_placeholders()
 
     # ------------------------------------------------------------------ reduce
 
@@ -302,6 +314,18 @@ class FlatParamGroup:
 
     def _shard_specs(self) -> list[FlatParamSpec]:
         return [self.specs[info.index] for info in self.meta.params]
+
+    def _register_placeholders(self) -> None:
+        """``use_orig_params=False``, sharded: shape-only stand-ins for the parameters."""
+        assert self.layout is not None
+        if not self._placeholders or self._placeholders[0].dtype != self.shard.dtype:
+            self._placeholders = [
+                torch.empty(spec.shape, dtype=self.shard.dtype, device="meta")
+                for spec in self.layout.params
+            ]
+        for spec, placeholder in zip(self.specs, self._placeholders, strict=True):
+            for owner in spec.owners:
+                setattr(owner.module, owner.name, placeholder)
 
     def _point_orig_params_at_shard(self) -> None:
         """``use_orig_params``: each original parameter's data is its piece of the shard."""

@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -136,10 +137,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel: sharding_strategy must be a ShardingStrategy, "
                 f"got {strategy!r}"
             )
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "FullyShardedDataParallel: the module is already wrapped; wrap each module once"
-            )
+        _check_not_sharded(module)
         if _shared is None:
             _shared = _prepare(
                 module,
@@ -238,6 +236,8 @@ class FullyShardedDataParallel(nn.Module):
             state.on_iteration_end = checker.end_iteration
         unit.reshard()
         self.register_state_dict_post_hook(_strip_prefixes)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_restore_prefixes)  # type: ignore[no-untyped-call]
+        _WRAPPED_MODULES.add(module)
 
     # ------------------------------------------------------------------ module surface
 
@@ -540,6 +540,12 @@ def _collect_specs(
     def visit(mod: nn.Module, prefix: str) -> None:
         if mod in ignored_modules or isinstance(mod, FullyShardedDataParallel):
             return
+        if get_state(mod) is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: submodule {prefix[:-1]!r} ({type(mod).__name__}) "
+                "is already sharded by fully_shard; shard a model with one front end, "
+                "fully_shard or FullyShardedDataParallel"
+            )
         for name, param in mod._parameters.items():
             if param is None or param in ignored_params:
                 continue
@@ -588,6 +594,55 @@ def _strip_prefixes(
 ) -> None:
     for key in [k for k in state_dict if WRAPPED_PREFIX in k or k.endswith(_WRAPPED)]:
         state_dict[clean_fqn(key)] = state_dict.pop(key)
+
+
+def _restore_prefixes(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Undo :func:`_strip_prefixes` below this wrapper, so ``state_dict()`` loads back.
+
+    Runs before the wrapper's own keys are matched and before its children's
+    hooks (``load_state_dict`` walks parents first), so each wrapper only adds
+    its own segment: ``<prefix>rest`` becomes ``<prefix>_fsdp_wrapped_module.rest``
+    for every key under the wrapper but its own flat parameter.
+    """
+    own = prefix + _FLAT_PARAM
+    inner = prefix + WRAPPED_PREFIX
+    for key in [
+        k for k in state_dict if k.startswith(prefix) and k != own and not k.startswith(inner)
+    ]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+_WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Every module some wrapper wraps, so that wrapping one twice fails."""
+
+
+def _check_not_sharded(module: nn.Module) -> None:
+    name = type(module).__name__
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError(
+            f"FullyShardedDataParallel: the module is already a FullyShardedDataParallel "
+            f"(around {type(module.module).__name__}); wrap each module once"
+        )
+    if module in _WRAPPED_MODULES:
+        raise ValueError(
+            f"FullyShardedDataParallel: this {name} is already wrapped by a "
+            "FullyShardedDataParallel (it is that wrapper's .module); wrap each module once "
+            "and use the wrapper"
+        )
+    if get_state(module) is not None:
+        raise ValueError(
+            f"FullyShardedDataParallel: this {name} is already sharded by fully_shard; "
+            "shard a model with one front end, fully_shard or FullyShardedDataParallel"
+        )
 
 
 def _state(wrapper: FullyShardedDataParallel) -> ShardState:
@@ -706,7 +761,9 @@ def _summon_unit(
     full = torch.empty(unit.shard_world * shard.numel(), dtype=shard.dtype, device=device)
     all_gather(full, shard, unit.shard_group, label=f"{unit.comm_label} summon").wait()
     full_grad: torch.Tensor | None = None
+    had_grad: list[bool] = []
     if with_grads:
+        had_grad = [spec.param.grad is not None for spec in group.specs]
         local_grad = torch.zeros_like(shard)
         for spec, info in zip(group._shard_specs(), group.meta.params, strict=True):
             if spec.param.grad is not None:
@@ -740,5 +797,9 @@ def _summon_unit(
                 for spec in group.specs:
                     spec.param.grad = None
     if full_grad is not None:
-        # Back on the shard views: restore each parameter's sharded gradient.
+        # Back on the shard views: restore each parameter's sharded gradient, and no
+        # gradient where there was none (an optimizer treats zeros and None differently).
         group.accumulate(full_grad[rank * n : (rank + 1) * n].to(unit.compute_device))
+        for spec, had in zip(group.specs, had_grad, strict=True):
+            if not had:
+                spec.param.grad = None
