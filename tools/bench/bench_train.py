@@ -1,14 +1,20 @@
-"""Training benchmark: shard's ``fully_shard`` side by side with PyTorch's.
+"""Training benchmark: shard's ``fully_shard`` and wrapper side by side with PyTorch's.
 
 Why: ``shard_runtime.fully_shard`` is meant as a drop-in for PyTorch's
-``fully_shard`` (FSDP2), so its speed and memory are only meaningful as
-ratios against FSDP2 measured in the same run, on the same model, data and
-machine. This script trains :class:`gpt.GPT` on synthetic tokens four ways:
+``fully_shard`` (FSDP2), and ``shard_runtime.FullyShardedDataParallel`` for
+PyTorch's wrapper (FSDP1), so their speed and memory are only meaningful as
+ratios against PyTorch's measured in the same run, on the same model, data
+and machine. This script trains :class:`gpt.GPT` on synthetic tokens six ways
+(``--impls`` picks a subset):
 
 - ``single``: one process over the whole global batch (the loss reference);
 - ``ddp``: ``DistributedDataParallel``, every rank a full replica;
 - ``torch_fsdp``: PyTorch ``fully_shard`` on every block, then the root;
 - ``shard_fsdp``: shard ``fully_shard``, applied the same way;
+- ``torch_fsdp1``: PyTorch ``FullyShardedDataParallel`` around the root,
+  FULL_SHARD, ``auto_wrap_policy=ModuleWrapPolicy({Block})``,
+  ``use_orig_params=False`` (one flat parameter per block, one for the root);
+- ``shard_fsdp1``: shard ``FullyShardedDataParallel``, the same arguments;
 
 each in its own freshly spawned processes (gloo, ``torch.set_num_threads(
 cores // world_size)`` in every process, ``single``'s included), so one
@@ -37,15 +43,18 @@ Run from the repository root::
   the interpreter and torch itself; ``base`` is the same figure taken just
   before the model is built, so ``peak - base`` is what training added.
 - resident state: bytes of the local tensors (``DTensor.to_local()``) of the
-  parameters, their ``.grad`` and the optimizer state after the last step.
-  Full state / N is computed from the model's shapes on the meta device. The
-  JSON also holds the bytes of the storages behind them (padding included)
-  and whether every parameter was a DTensor (the report warns if a sharded
-  implementation left one unsharded).
+  parameters, their ``.grad`` and the optimizer state after the last step;
+  for the wrappers, ``model.parameters()`` are the flat shards and the
+  grads and optimizer state are theirs. Full state / N is computed from the
+  model's shapes on the meta device. The JSON also holds the bytes of the
+  storages behind them (padding included) and whether every parameter had
+  the sharded form (a DTensor for ``fully_shard``, a 1-D ``_flat_param``
+  for the wrappers; the report warns if a sharded implementation left one
+  unsharded).
 - final loss: the last step's loss, averaged over ranks.
 
 [Note: profiling]
-``--profile`` profiles rank 0 of both ``fully_shard`` implementations over
+``--profile`` profiles rank 0 of the four sharded implementations over
 the post-warmup steps and writes the profiles and a text summary (self time
 grouped by origin: engine Python, DTensor, collectives, copies, compute)
 under ``--profile-dir``. ``cprofile`` clocks wall time (waits included),
@@ -83,11 +92,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, GPTConfig, synthetic_tokens
+from gpt import GPT, Block, GPTConfig, synthetic_tokens
 
-IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp")
-REFERENCE = "torch_fsdp"
-FSDP_IMPLS = ("torch_fsdp", "shard_fsdp")
+IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
+FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
+FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1")
+# (shard's implementation, PyTorch's it is measured against); ratios are taken
+# against every reference present, targets for every shard implementation.
+PAIRS = (("shard_fsdp", "torch_fsdp"), ("shard_fsdp1", "torch_fsdp1"))
 PHASES = ("forward", "backward", "optimizer")
 PROFILERS = ("cprofile", "cprofile-cpu", "torch")
 STEP_TIME_TARGET = 1.00
@@ -146,7 +158,7 @@ class RankResult:
     grad_bytes: int
     optim_bytes: int
     storage_bytes: int
-    all_dtensor: bool
+    all_sharded: bool
     profiled: bool
 
     @property
@@ -268,12 +280,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _resident(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+def _is_sharded_form(impl: str, name: str, param: torch.Tensor) -> bool:
+    """Whether ``param`` is in ``impl``'s sharded form: a DTensor, or a 1-D flat shard."""
+    if impl in FLAT_IMPLS:
+        return name.endswith("_flat_param") and param.dim() == 1
+    return isinstance(param, DTensor)
+
+
+def _resident(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     tensors: list[torch.Tensor] = []
     param_bytes = grad_bytes = optim_bytes = 0
-    all_dtensor = True
-    for p in model.parameters():
-        all_dtensor &= isinstance(p, DTensor)
+    all_sharded = True
+    for name, p in model.named_parameters():
+        all_sharded &= _is_sharded_form(impl, name, p)
         local = _local(p)
         tensors.append(local)
         param_bytes += _nbytes(local)
@@ -293,7 +312,7 @@ def _resident(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
         "grad_bytes": grad_bytes,
         "optim_bytes": optim_bytes,
         "storage_bytes": sum(storages.values()),
-        "all_dtensor": all_dtensor,
+        "all_sharded": all_sharded,
     }
 
 
@@ -317,6 +336,30 @@ def _wrap(impl: str, model: GPT, mesh: DeviceMesh | None) -> nn.Module:
             shard_fully_shard(block, mesh=mesh)
         shard_fully_shard(model, mesh=mesh)
         return model
+    if impl == "torch_fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+        return TorchFSDP(
+            model,
+            sharding_strategy=TorchShardingStrategy.FULL_SHARD,
+            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
+            use_orig_params=False,
+            device_id=torch.device("cpu"),  # PyTorch's wrapper asks for an accelerator otherwise
+        )
+    if impl == "shard_fsdp1":
+        from shard_runtime import FullyShardedDataParallel as ShardFSDP
+        from shard_runtime import ModuleWrapPolicy as ShardModuleWrapPolicy
+        from shard_runtime import ShardingStrategy as ShardShardingStrategy
+
+        return ShardFSDP(
+            model,
+            sharding_strategy=ShardShardingStrategy.FULL_SHARD,
+            auto_wrap_policy=ShardModuleWrapPolicy({Block}),
+            use_orig_params=False,
+            device_id=torch.device("cpu"),
+        )
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 
 
@@ -369,7 +412,8 @@ class _Profiler:
 # first match wins. C++ compute called from Python shows as a builtin.
 _ORIGINS = (
     ("shard engine (python)", ("/shard_runtime/", "/shard_comms/", "/shard_core/"), ()),
-    ("torch FSDP2 (python)", ("/torch/distributed/fsdp/",), ()),
+    ("torch FSDP2 (python)", ("/torch/distributed/fsdp/_fully_shard/",), ()),
+    ("torch FSDP1 (python)", ("/torch/distributed/fsdp/",), ()),
     ("DTensor (python)", ("/torch/distributed/tensor/",), ()),
     ("optimizer (python)", ("/torch/optim/",), ()),
     ("collective wait", (), ("_distributed_c10d.wait",)),
@@ -444,7 +488,7 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
                 phase_times["backward"].append(backward_end - forward_end)
                 phase_times["optimizer"].append(end - backward_end)
         profiler.stop(cfg.steps)
-        resident = _resident(model, optim)
+        resident = _resident(impl, model, optim)
         queue.put(
             RankResult(
                 rank=rank,
@@ -550,28 +594,21 @@ def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float)
         if name in results:
             worst = max(_rel(rank.state_bytes, per_rank_ideal) for rank in results[name].ranks)
             state[name] = {"max_rel_diff_vs_full_over_n": worst, "met": worst <= STATE_TOLERANCE}
-    ratios: dict[str, Any] = {}
+    ratios: dict[str, dict[str, Any]] = {}
     targets: dict[str, Any] = {}
-    if REFERENCE in results:
-        ref = results[REFERENCE]
-        for name, r in results.items():
-            ratios[name] = {
-                "step_time": r.median_step_s / ref.median_step_s,
-                "cpu_time": r.median_cpu_s / ref.median_cpu_s,
-                "tokens_per_s": r.tokens_per_s / ref.tokens_per_s,
-                "peak_rss": r.peak_rss / ref.peak_rss,
-                "peak_rss_over_base": (
-                    max(r.peak_rss_over_base_per_rank) / max(ref.peak_rss_over_base_per_rank)
-                ),
-                "state_bytes": r.state_bytes / ref.state_bytes,
-            }
-        if "shard_fsdp" in results and "shard_fsdp" in state:
-            shard = ratios["shard_fsdp"]
-            targets = {
+    for shard_name, reference in PAIRS:
+        if reference not in results:
+            continue
+        ref = results[reference]
+        ratios[reference] = {name: _ratios(r, ref) for name, r in results.items()}
+        if shard_name in results:
+            shard = ratios[reference][shard_name]
+            targets[shard_name] = {
+                "reference": reference,
                 "step_time_ratio_le_1.00": shard["step_time"] <= STEP_TIME_TARGET,
                 "step_time_ratio_le_0.90_aim": shard["step_time"] <= STEP_TIME_AIM,
                 "peak_rss_le_torch": shard["peak_rss"] <= 1.0,
-                "state_within_0.1pct_of_full_over_n": state["shard_fsdp"]["met"],
+                "state_within_0.1pct_of_full_over_n": state[shard_name]["met"],
             }
     return {
         "full_state_bytes": full,
@@ -581,8 +618,22 @@ def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float)
         "losses": losses,
         "losses_match": losses_match,
         "state": state,
-        "ratios_vs_torch_fsdp": ratios,
+        "ratios": ratios,
         "targets": targets,
+    }
+
+
+def _ratios(r: ImplResult, ref: ImplResult) -> dict[str, float]:
+    """``r``'s figures over ``ref``'s."""
+    return {
+        "step_time": r.median_step_s / ref.median_step_s,
+        "cpu_time": r.median_cpu_s / ref.median_cpu_s,
+        "tokens_per_s": r.tokens_per_s / ref.tokens_per_s,
+        "peak_rss": r.peak_rss / ref.peak_rss,
+        "peak_rss_over_base": (
+            max(r.peak_rss_over_base_per_rank) / max(ref.peak_rss_over_base_per_rank)
+        ),
+        "state_bytes": r.state_bytes / ref.state_bytes,
     }
 
 
@@ -616,24 +667,25 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
         f"full state {_mib(analysis['full_state_bytes'])} MiB; "
         f"full/N = {_mib(analysis['full_state_over_n_bytes'])} MiB"
     )
-    ratios = analysis["ratios_vs_torch_fsdp"]
-    if ratios:
+    for reference, ratios in analysis["ratios"].items():
         lines += [
             "",
-            f"ratios vs {REFERENCE}: step time  cpu time  tokens/s  peak RSS  (over base)  state",
+            f"ratios vs {reference + ':':<12} step time  cpu time  tokens/s  peak RSS  (over base)"
+            "  state",
         ]
         for name, q in ratios.items():
             lines.append(
-                f"  {name:<11} {q['step_time']:>15.3f} {q['cpu_time']:>9.3f} "
-                f"{q['tokens_per_s']:>9.3f} {q['peak_rss']:>9.3f} {q['peak_rss_over_base']:>11.3f} "
+                f"  {name:<11} {q['step_time']:>18.3f} {q['cpu_time']:>9.3f} "
+                f"{q['tokens_per_s']:>9.3f} {q['peak_rss']:>9.3f} {q['peak_rss_over_base']:>12.3f} "
                 f"{q['state_bytes']:>6.3f}"
             )
     for name, s in analysis["state"].items():
         lines.append(
             f"{name}: state per rank vs full/N: max rel diff {s['max_rel_diff_vs_full_over_n']:.2e}"
         )
-        if not all(x.all_dtensor for x in results[name].ranks):
-            lines.append(f"WARNING {name}: some parameters are not DTensors after the last step")
+        if not all(x.all_sharded for x in results[name].ranks):
+            form = "flat 1-D shards" if name in FLAT_IMPLS else "DTensors"
+            lines.append(f"WARNING {name}: some parameters are not {form} after the last step")
     lines.append("")
     lines.append(f"losses vs {analysis['loss_reference']} (rtol {analysis['loss_rtol']:g}):")
     for name, v in analysis["losses"].items():
@@ -643,11 +695,12 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
             + ("" if v["repeats_bitwise_equal"] else "  (repeats differ)")
         )
     lines.append(f"losses match: {'yes' if analysis['losses_match'] else 'NO'}")
-    if analysis["targets"]:
+    for shard_name, targets in analysis["targets"].items():
         lines.append("")
-        lines.append("shard targets:")
-        for name, met in analysis["targets"].items():
-            lines.append(f"  {name:<36} {'met' if met else 'NOT MET'}")
+        lines.append(f"{shard_name} targets (vs {targets['reference']}):")
+        for name, met in targets.items():
+            if name != "reference":
+                lines.append(f"  {name:<36} {'met' if met else 'NOT MET'}")
     return "\n".join(lines)
 
 

@@ -112,6 +112,11 @@ class FlatParamGroup:
             for spec in specs:
                 for owner in spec.owners:
                     owner.module._parameters.pop(owner.name, None)
+            # Keep no reference to the full originals: every rank would otherwise hold
+            # the whole unsharded model (tools/bench/README.md, shard_fsdp1 memory).
+            self.specs = [
+                FlatParamSpec(spec.fqn, _shape_only(spec.param), spec.owners) for spec in specs
+            ]
             self._register_placeholders()
 
     # ------------------------------------------------------------------ facts
@@ -342,3 +347,11 @@ class FlatParamGroup:
             spec.param.data = pieces.get(index, empty)
             for owner in spec.owners:
                 owner.module._parameters[owner.name] = spec.param
+
+
+def _shape_only(param: nn.Parameter) -> nn.Parameter:
+    """A stand-in with ``param``'s shape, dtype and ``requires_grad``, and no storage."""
+    return nn.Parameter(
+        torch.empty(param.shape, dtype=param.dtype, device="meta"),
+        requires_grad=param.requires_grad,
+    )
