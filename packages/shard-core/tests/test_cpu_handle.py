@@ -102,9 +102,18 @@ def test_cpu_reset_peak_memory_stats_forgets_a_freed_allocation() -> None:
     assert stats["peak_allocated"] >= stats["allocated"]
 
 
-def test_cpu_os_peak_converts_maxrss_units(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ru_maxrss is KiB on Linux and bytes on macOS; the peak is reported in bytes."""
+def test_cpu_os_peak_reads_vmhwm(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On Linux the peak is VmHWM (KiB in /proc/self/status), reported in bytes."""
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmPeak:\t  900 kB\nVmHWM:\t    300 kB\nVmRSS:\t 200 kB\n")
+    monkeypatch.setattr(cpu_module, "_STATUS", status)
+    assert cpu_module._os_peak_rss() == 300 * 1024
+
+
+def test_cpu_os_peak_converts_maxrss_units(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without /proc, ru_maxrss is KiB on Linux and bytes on macOS; the peak is in bytes."""
     resource = pytest.importorskip("resource")
+    monkeypatch.setattr(cpu_module, "_STATUS", tmp_path / "missing")
 
     class Usage:
         ru_maxrss = 2048

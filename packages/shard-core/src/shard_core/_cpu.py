@@ -25,8 +25,8 @@ from shard_core.protocols import EventLike, StreamLike
 __all__ = ["CpuDeviceHandle"]
 
 # [Note: CPU peak memory]
-# ``peak_allocated`` is the process's peak resident set size (``ru_maxrss``:
-# KiB on Linux, bytes on macOS). Linux resets that peak when "5" is written to
+# ``peak_allocated`` is the process's peak resident set size (``VmHWM`` on
+# Linux; elsewhere ``ru_maxrss``, bytes on macOS). Linux resets that peak when "5" is written to
 # /proc/self/clear_refs, which is what ``reset_peak_memory_stats`` does. Where
 # that file is missing or not writable (macOS, locked-down containers), the
 # handle keeps a baseline instead: the OS peak at the reset. While the OS peak
@@ -48,8 +48,21 @@ def _page_size() -> int:
         return 4096
 
 
+_STATUS = Path("/proc/self/status")
+
+
 def _os_peak_rss() -> int | None:
-    """Peak resident set size of this process in bytes, or ``None`` where unknown."""
+    """Peak resident set size of this process in bytes, or ``None`` where unknown.
+
+    Linux: ``VmHWM`` from /proc/self/status, which clear_refs resets;
+    ``ru_maxrss`` is not reset by it once a thread of the process has exited.
+    """
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # Windows

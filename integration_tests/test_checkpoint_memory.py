@@ -1,0 +1,213 @@
+"""Full state dicts cost a rank one full tensor at a time, never the full model.
+
+The model is sixteen 1024x1024 fp32 linear layers (64 MiB, 4 MiB each) sharded
+over 2 ranks (32 MiB of shards each). A rank measures the growth of its peak
+resident set size during one call: rank 1 while gathering a rank-0-only full
+state dict, and while loading a full state dict that only rank 0 holds
+(``broadcast_from_rank0``). Both must stay under half the model's size;
+gathering a full state dict on every rank is the control, which does grow by
+the whole model. Consolidating a checkpoint of the model into one file, in
+one process, must stay under half the checkpoint's size.
+
+So that the allocator cannot hide an allocation in memory it kept from
+earlier frees, freed heap memory is returned to the OS before each
+measurement and allocations of 1 MiB or more are served by ``mmap`` (given
+back on free). The same call on a tiny model runs first, so that one-time
+costs (lazy imports and caches, tens of MiB in a fresh process) are not
+counted as the state dict's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from shard_checkpoint import (
+    StateDictOptions,
+    consolidate,
+    get_model_state_dict,
+    save,
+    set_model_state_dict,
+)
+from shard_checkpoint._safetensors import read_safetensors
+from shard_runtime import fully_shard
+from shard_testing import RankPool
+
+LAYERS, WIDTH = 16, 1024
+MODEL_BYTES = LAYERS * WIDTH * WIDTH * 4
+MIB = 2**20
+
+_LIBC = ctypes.util.find_library("c")
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+pytestmark = pytest.mark.skipif(
+    _LIBC is None
+    or not hasattr(ctypes.CDLL(_LIBC), "malloc_trim")
+    or not os.access(_CLEAR_REFS, os.W_OK),
+    reason="needs Linux's clear_refs and glibc's mallopt to measure peak memory honestly",
+)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _sharded(*, zeroed: bool = False) -> Stack:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Stack()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if zeroed:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+    return model
+
+
+class PeakMeter:
+    """Growth of this process's peak resident set size (``VmHWM``) since :meth:`start`.
+
+    Reads ``/proc/self/status`` rather than ``getrusage``: writing "5" to
+    ``/proc/self/clear_refs`` resets ``VmHWM``, but ``ru_maxrss`` also keeps
+    the peak of threads that have exited, which no reset clears.
+    """
+
+    def __init__(self) -> None:
+        self._baseline = 0
+
+    def start(self) -> None:
+        gc.collect()
+        assert _LIBC is not None
+        libc = ctypes.CDLL(_LIBC)
+        assert libc.mallopt(_M_MMAP_THRESHOLD, MIB) == 1
+        libc.malloc_trim(0)
+        _CLEAR_REFS.write_text("5")
+        self._baseline = _status_bytes("VmRSS")
+
+    def growth(self) -> int:
+        return _status_bytes("VmHWM") - self._baseline
+
+
+def _status_bytes(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise AssertionError(f"no {field} in {_STATUS}")
+
+
+def _tiny() -> nn.Module:
+    """A small sharded model to make each measured call on first.
+
+    That first call pays the one-time costs (lazy imports, caches), which are
+    no part of what a state dict costs.
+    """
+    model = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    return model
+
+
+def _gather(cpu_offload: bool) -> tuple[int, int]:
+    model = _sharded()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    get_model_state_dict(_tiny(), options=options)
+    meter = PeakMeter()
+    meter.start()
+    state = get_model_state_dict(model, options=options)
+    growth = meter.growth()
+    expected = Stack().state_dict()
+    for key, value in state.items():
+        assert torch.equal(value, expected[key]), key
+    return growth, len(state)
+
+
+def _broadcast_load() -> tuple[int, bool]:
+    source: dict[str, Any] = Stack().state_dict() if dist.get_rank() == 0 else {}
+    model = _sharded(zeroed=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    tiny = _tiny()
+    set_model_state_dict(
+        tiny, {k: v.full_tensor() for k, v in tiny.state_dict().items()}, options=options
+    )
+    meter = PeakMeter()
+    meter.start()
+    set_model_state_dict(model, source, options=options)
+    growth = meter.growth()
+    loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    expected = Stack().state_dict()
+    return growth, all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+def test_rank0_only_full_state_dict_costs_other_ranks_one_tensor(rank_pool: RankPool) -> None:
+    """With cpu_offload, rank 1 gets {} and its peak grows by well under the model's size."""
+    (_, rank0_keys), (growth, rank1_keys) = rank_pool.run(_gather, 2, True)
+    assert (rank0_keys, rank1_keys) == (LAYERS, 0)
+    print(f"rank-0-only full state dict: rank 1 peak +{growth / MIB:.1f} MiB (model 64 MiB)")
+    assert growth < MODEL_BYTES / 2
+
+
+def test_full_state_dict_on_every_rank_costs_the_model(rank_pool: RankPool) -> None:
+    """The control: without cpu_offload every rank keeps the full model, and the meter sees it."""
+    for growth, keys in rank_pool.run(_gather, 2, False):
+        assert keys == LAYERS
+        assert growth > 0.9 * MODEL_BYTES
+
+
+def test_broadcast_from_rank0_costs_other_ranks_one_tensor(rank_pool: RankPool) -> None:
+    """Loading rank 0's full state dict grows rank 1's peak by well under the model's size."""
+    results = rank_pool.run(_broadcast_load, 2)
+    assert [loaded for _, loaded in results] == [True, True]
+    growth = results[1][0]
+    print(f"broadcast_from_rank0 load: rank 1 peak +{growth / MIB:.1f} MiB (model 64 MiB)")
+    assert growth < MODEL_BYTES / 2
+
+
+def _save_stack(path: str) -> None:
+    save({"model": get_model_state_dict(_sharded())}, checkpoint_id=path)
+
+
+def _consolidate_measured(path: str, out: str, fmt: str) -> int:
+    meter = PeakMeter()
+    meter.start()
+    consolidate(path, out, fmt=fmt, prefix="model.")  # type: ignore[arg-type]
+    return meter.growth()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_consolidate_costs_one_tensor_not_the_checkpoint(
+    rank_pool: RankPool, tmp_path: Path, fmt: str
+) -> None:
+    """Consolidating a 2-rank checkpoint grows the peak by well under the checkpoint's size."""
+    path, out = tmp_path / "ckpt", tmp_path / f"model.{fmt}"
+    rank_pool.run(_save_stack, 2, str(path))
+    size = sum(f.stat().st_size for f in path.iterdir())
+    [growth] = rank_pool.run(_consolidate_measured, 1, str(path), str(out), fmt)
+    print(f"consolidate ({fmt}): peak +{growth / MIB:.1f} MiB, checkpoint {size / MIB:.1f} MiB")
+    assert growth < size / 2
+    if fmt == "safetensors":
+        tensors, _ = read_safetensors(out)
+    else:
+        tensors = torch.load(out, weights_only=True)
+    expected = Stack().state_dict()
+    assert list(tensors) == list(expected)
+    for key, value in expected.items():
+        assert torch.equal(tensors[key], value), key

@@ -1,0 +1,405 @@
+"""Saving and loading checkpoints through ``torch.distributed.checkpoint``, atomically.
+
+A checkpoint is a DCP directory (``.metadata`` plus one ``.distcp`` file per
+saving rank), so PyTorch's tools read ours and we read theirs, and DTensors
+saved at one world size load at another. What this module adds is when the
+directory appears under its name, and errors that say what is wrong.
+
+[Note: atomic checkpoints]
+``save(..., checkpoint_id=path)`` never writes into ``path``. Rank 0 creates
+``<path>.incomplete-<token>`` and broadcasts its name; every rank writes its
+files there through DCP, whose last step (after every rank has written) is
+rank 0 writing ``.metadata``. Only then does rank 0 swap the directories:
+
+1. an existing ``<path>`` is renamed to ``<path>.old`` (a stale ``.old`` from
+   an earlier interrupted swap is removed first: ``<path>`` is complete);
+2. ``<path>.incomplete-<token>`` is renamed to ``<path>``;
+3. ``<path>.old`` is removed,
+
+and broadcasts the outcome, so no rank returns before the checkpoint is in
+place. A save that dies before step 2 leaves ``<path>`` as it was and the
+new files in a directory whose name says they are incomplete. Dying between
+steps 1 and 2 leaves only ``<path>.old``, which ``load`` falls back to (with a
+logged warning). Renames within one directory are atomic on POSIX file
+systems; ``checkpoint_id`` must be a directory path every rank sees.
+An existing ``<path>`` that is neither a checkpoint nor empty is refused,
+never replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from shard_checkpoint._dist import broadcast_object, rank
+from shard_checkpoint._errors import CheckpointError, StateDictError
+
+__all__ = ["check_against_metadata", "load", "quiet_single_process", "resolve_checkpoint", "save"]
+
+_log = logging.getLogger("shard.checkpoint")
+
+METADATA_FILE = ".metadata"
+INCOMPLETE_MARK = ".incomplete-"
+OLD_SUFFIX = ".old"
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> Metadata:
+    """Write ``state_dict`` as a DCP checkpoint at ``checkpoint_id``, atomically.
+
+    Call it on every rank of ``process_group`` (the default group when
+    ``None``) with the same keys. See [Note: atomic checkpoints].
+
+    Args:
+        state_dict: nested dicts of tensors, DTensors (each rank writes its
+            shards), other picklable values and ``Stateful`` objects.
+        checkpoint_id: the checkpoint's directory; an existing checkpoint there
+            is replaced only once the new one is complete.
+        storage_writer: a DCP storage writer to write through (it is reset to
+            the staging directory); ``None``: ``FileSystemWriter``.
+        planner: a DCP save planner; ``None``: DCP's default.
+        process_group: the ranks that save together.
+
+    Returns:
+        The checkpoint's DCP metadata.
+
+    Raises:
+        CheckpointError: ``checkpoint_id`` is taken by something that is not a
+            checkpoint, or the save failed on some rank (every rank raises;
+            the previous checkpoint is untouched).
+    """
+    path = Path(checkpoint_id)
+    staging = broadcast_object(
+        _prepare_save(path) if rank(process_group) == 0 else None, process_group
+    )
+    if isinstance(staging, CheckpointError):
+        raise staging
+    assert isinstance(staging, str)
+    try:
+        with quiet_single_process():
+            metadata = dcp_save(
+                dict(state_dict),
+                checkpoint_id=staging,
+                storage_writer=storage_writer,
+                planner=planner,
+                process_group=process_group,
+                no_dist=not _distributed(),
+            )
+    except (CheckpointException, dist.DistError) as exc:
+        # DistError: a rank died or fell out of step and a collective timed out.
+        raise _failure(
+            exc,
+            f"saving checkpoint {path} failed",
+            f"the previous checkpoint at {path} (if any) is untouched; the files written "
+            f"are left in {staging}",
+        ) from exc
+    outcome: str | None = None
+    if rank(process_group) == 0:
+        try:
+            _swap(Path(staging), path)
+        except OSError as exc:
+            outcome = (
+                f"saving checkpoint {path}: every rank wrote its files to {staging}, but "
+                f"moving them into place failed: {exc}; load({str(path)!r}) still finds the "
+                f"previous checkpoint (there, or at {path}{OLD_SUFFIX})"
+            )
+    outcome = broadcast_object(outcome, process_group)
+    if outcome is not None:
+        raise CheckpointError(outcome)
+    assert isinstance(metadata, Metadata)
+    return metadata
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    storage_reader: StorageReader | None = None,
+    planner: LoadPlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+) -> None:
+    """Load the checkpoint at ``checkpoint_id`` into ``state_dict``, in place.
+
+    Tensors are filled in place (a DTensor receives its own shards, whatever
+    world size saved them); other values are replaced. Call it on every rank
+    of ``process_group`` with the same keys.
+
+    Args:
+        state_dict: the values to fill, e.g. ``{"model": get_model_state_dict(model)}``.
+        checkpoint_id: the checkpoint's directory. Where a save was interrupted
+            mid-swap and only ``<checkpoint_id>.old`` exists, that is loaded.
+        storage_reader: a DCP storage reader; ``None``: ``FileSystemReader``.
+        planner: a DCP load planner; ``None``: DCP's default, after checking
+            every key, shape and data file against the checkpoint.
+        process_group: the ranks that load together.
+        strict: a key of ``state_dict`` the checkpoint lacks is an error;
+            ``False``: such values are left as they are.
+
+    Raises:
+        CheckpointError: the checkpoint is missing or incomplete, lacks a key,
+            holds a different shape, or reading failed on some rank; the
+            message names the first offending key.
+    """
+    path = Path(checkpoint_id)
+    resolved = broadcast_object(
+        _resolve_or_error(path) if rank(process_group) == 0 else None, process_group
+    )
+    if isinstance(resolved, CheckpointError):
+        raise resolved
+    assert isinstance(resolved, str)
+    if planner is None:
+        planner = _CheckingLoadPlanner(resolved, allow_partial_load=not strict)
+    try:
+        with quiet_single_process():
+            dcp_load(
+                state_dict,
+                checkpoint_id=resolved,
+                storage_reader=storage_reader,
+                planner=planner,
+                process_group=process_group,
+                no_dist=not _distributed(),
+            )
+    except (CheckpointException, dist.DistError) as exc:
+        raise _failure(exc, f"loading checkpoint {resolved} failed", "") from exc
+
+
+def resolve_checkpoint(checkpoint_id: str | os.PathLike[str]) -> Path:
+    """The complete checkpoint directory to read for ``checkpoint_id``.
+
+    ``checkpoint_id`` itself when it holds ``.metadata``; ``<checkpoint_id>.old``
+    when only that exists (a save interrupted while swapping directories).
+
+    Raises:
+        CheckpointError: no complete checkpoint there; the message says what is.
+    """
+    resolved = _resolve_or_error(Path(checkpoint_id))
+    if isinstance(resolved, CheckpointError):
+        raise resolved
+    return Path(resolved)
+
+
+# ------------------------------------------------------------------ save steps
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _prepare_save(path: Path) -> str | CheckpointError:
+    """Rank 0: check ``path`` can take a checkpoint; create and name the staging directory."""
+    if path.exists() and not path.is_dir():
+        return CheckpointError(
+            f"cannot save a checkpoint at {path}: it is a file; pass a directory path as "
+            "checkpoint_id"
+        )
+    if path.is_dir() and not (path / METADATA_FILE).is_file() and any(path.iterdir()):
+        return CheckpointError(
+            f"cannot save a checkpoint at {path}: the directory exists and is not a checkpoint "
+            f"(it has files but no {METADATA_FILE}), and saving would replace it; choose "
+            "another checkpoint_id or remove the directory"
+        )
+    staging = path.with_name(f"{path.name}{INCOMPLETE_MARK}{uuid.uuid4().hex[:12]}")
+    try:
+        staging.mkdir(parents=True)
+    except OSError as exc:
+        return CheckpointError(f"cannot save a checkpoint at {path}: {exc}")
+    return str(staging)
+
+
+def _swap(staging: Path, path: Path) -> None:
+    """Rank 0: put the complete ``staging`` in place of ``path``; see [Note: atomic checkpoints]."""
+    old = path.with_name(path.name + OLD_SUFFIX)
+    if path.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    os.replace(staging, path)
+    _fsync_directory(path.parent)
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make renames in ``directory`` durable where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ load checks
+
+
+def _resolve_or_error(path: Path) -> str | CheckpointError:
+    if (path / METADATA_FILE).is_file():
+        return str(path)
+    old = path.with_name(path.name + OLD_SUFFIX)
+    if not path.exists() and (old / METADATA_FILE).is_file():
+        _log.warning(
+            "shard.checkpoint: %s is missing but %s is complete (a save was interrupted while "
+            "swapping directories); loading %s",
+            path,
+            old,
+            old,
+        )
+        return str(old)
+    if INCOMPLETE_MARK in path.name:
+        intended = path.name.split(INCOMPLETE_MARK)[0]
+        return CheckpointError(
+            f"{path} is an incomplete checkpoint: a save that did not finish left it; load "
+            f"the last complete checkpoint, {path.with_name(intended)}"
+        )
+    unfinished = sorted(p.name for p in path.parent.glob(f"{path.name}{INCOMPLETE_MARK}*"))
+    note = f" (a save to it did not finish: {unfinished[0]})" if unfinished else ""
+    if not path.exists():
+        return CheckpointError(f"no checkpoint at {path}: the path does not exist{note}")
+    return CheckpointError(
+        f"{path} is not a complete checkpoint: it has no {METADATA_FILE}, which a save writes "
+        f"last{note}; load a checkpoint written by save()"
+    )
+
+
+class _CheckingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, after checking keys, shapes and data files.
+
+    Every rank checks the same keys against the same metadata, so every rank
+    raises the same error (DCP then reports it from all ranks at once).
+    """
+
+    def __init__(self, checkpoint: str, *, allow_partial_load: bool) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self._checkpoint = checkpoint
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        check_against_metadata(
+            self.state_dict,
+            self.metadata,
+            self._checkpoint,
+            strict=not self.allow_partial_load,
+        )
+        return super().create_local_plan()
+
+
+def check_against_metadata(
+    state_dict: Mapping[str, Any], metadata: Metadata, checkpoint: str, *, strict: bool
+) -> None:
+    """Raise ``CheckpointError`` for the first key of the flat ``state_dict`` that cannot load."""
+    entries = metadata.state_dict_metadata
+    data_files = _data_files(metadata)
+    sizes: dict[str, int | None] = {}
+    for key, value in state_dict.items():
+        entry = entries.get(key)
+        if entry is None:
+            if not strict:
+                continue
+            close = difflib.get_close_matches(key, list(entries), n=1)
+            hint = f" (closest: {close[0]!r})" if close else ""
+            raise CheckpointError(
+                f"checkpoint {checkpoint} has no {key!r}{hint}; it holds {len(entries)} keys. "
+                "Load a checkpoint of this model, or pass strict=False to load the keys it has"
+            )
+        if isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} holds a non-tensor object for {key!r}, but the "
+                    f"state dict expects a tensor of shape {tuple(value.shape)}"
+                )
+            if tuple(entry.size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} holds {key!r} with shape {tuple(entry.size)}, "
+                    f"but the state dict expects {tuple(value.shape)}; load a checkpoint of "
+                    "this model (the shapes saved are the full, unsharded ones)"
+                )
+        for relative_path, end in data_files.get(key, ()):
+            if relative_path not in sizes:
+                try:
+                    sizes[relative_path] = os.stat(Path(checkpoint) / relative_path).st_size
+                except OSError:
+                    sizes[relative_path] = None
+            size = sizes[relative_path]
+            if size is None or size < end:
+                found = "is missing" if size is None else f"has only {size} bytes"
+                raise CheckpointError(
+                    f"checkpoint {checkpoint} is incomplete: the data of {key!r} is in "
+                    f"{relative_path}, which {found} (needs {end}); the checkpoint was "
+                    "damaged after it was written (a file deleted or cut short)"
+                )
+
+
+def _data_files(metadata: Metadata) -> dict[str, list[tuple[str, int]]]:
+    """Per key, the files (relative to the checkpoint) and end offsets of its saved chunks."""
+    files: dict[str, list[tuple[str, int]]] = {}
+    storage = metadata.storage_data
+    if not isinstance(storage, Mapping):
+        return files
+    for index, info in storage.items():
+        relative_path = getattr(info, "relative_path", None)
+        offset = getattr(info, "offset", None)
+        length = getattr(info, "length", None)
+        fqn = getattr(index, "fqn", None)
+        if (
+            isinstance(relative_path, str)
+            and isinstance(fqn, str)
+            and isinstance(offset, int)
+            and isinstance(length, int)
+        ):
+            files.setdefault(fqn, []).append((relative_path, offset + length))
+    return files
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _failure(exc: CheckpointException | dist.DistError, what: str, after: str) -> Exception:
+    """One exception for a failed save or load: DCP reports the same failures on every rank."""
+    tail = f"; {after}" if after else ""
+    if not isinstance(exc, CheckpointException):
+        return CheckpointError(f"{what}: {type(exc).__name__}: {exc}{tail}")
+    failures = exc.failures
+    first = failures[min(failures)][0]
+    if isinstance(first, CheckpointError | StateDictError):
+        return type(first)(str(first))
+    ranks = ", ".join(str(r) for r in sorted(failures))
+    plural = "s" if len(failures) > 1 else ""
+    return CheckpointError(f"{what} on rank{plural} {ranks}: {type(first).__name__}: {first}{tail}")
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: here that is asked for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield

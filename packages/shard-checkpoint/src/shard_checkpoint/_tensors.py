@@ -1,0 +1,103 @@
+"""Moving one value between its full and its sharded form.
+
+A sharded value is a ``DTensor`` whose placements are ``Shard(dim)`` or
+``Replicate()`` per mesh axis (``fully_shard`` uses ``Shard(0)``, or
+``(Replicate(), Shard(0))`` on a 2-D mesh). Its local tensor is what
+``torch.chunk`` gives this rank along each sharded axis in turn, which is
+what :func:`local_chunk` cuts out of a full tensor without communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from shard_checkpoint._errors import StateDictError
+from shard_core import dim0_chunk_range
+
+__all__ = ["contiguous_stride", "full_value", "local_chunk", "same_layout", "shard_like", "to_cpu"]
+
+
+def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
+    """This rank's piece of ``full`` when laid out like ``like`` (a view, no communication).
+
+    ``key`` names the value in errors.
+    """
+    coordinate = like.device_mesh.get_coordinate()
+    if coordinate is None:
+        raise StateDictError(
+            f"{key!r}: this rank is not part of the mesh of its DTensor ({like.device_mesh}); "
+            "load state dicts on the ranks of the model's mesh"
+        )
+    piece = full
+    for axis, placement in enumerate(like.placements):
+        if type(placement) is Shard:
+            dim = placement.dim if placement.dim >= 0 else piece.dim() + placement.dim
+            rows = dim0_chunk_range(piece.shape[dim], coordinate[axis], like.device_mesh.size(axis))
+            piece = piece.narrow(dim, rows.start, len(rows))
+        elif not isinstance(placement, Replicate):
+            raise StateDictError(
+                f"{key!r}: cannot cut a full tensor into a DTensor placed {like.placements}; "
+                "only Shard(dim) and Replicate() placements can be loaded from full tensors"
+            )
+    return piece
+
+
+def shard_like(full: torch.Tensor, like: DTensor, *, key: str, copy: bool = False) -> DTensor:
+    """``full`` as a DTensor laid out like ``like``, on its local tensor's device.
+
+    ``copy=True`` gives the DTensor its own storage, so that ``full`` can be
+    freed; otherwise the local tensor may be a view of ``full``.
+    """
+    device = like.to_local().device
+    piece = local_chunk(full, like, key=key)
+    piece = piece.to(device=device, copy=copy, memory_format=torch.contiguous_format)
+    return DTensor.from_local(
+        piece,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=contiguous_stride(like.shape),
+    )
+
+
+def same_layout(value: DTensor, like: DTensor) -> bool:
+    """Whether ``value`` is sharded exactly like ``like`` (its local tensor can be used as is)."""
+    return (
+        value.device_mesh == like.device_mesh
+        and tuple(value.placements) == tuple(like.placements)
+        and value.shape == like.shape
+    )
+
+
+def full_value(value: torch.Tensor) -> torch.Tensor:
+    """The full tensor of ``value``: gathered for a DTensor (a collective), ``value`` otherwise."""
+    if isinstance(value, DTensor):
+        with torch.no_grad():
+            return value.full_tensor()
+    return value
+
+
+def to_cpu(value: torch.Tensor) -> torch.Tensor:
+    """``value`` on the CPU; a DTensor keeps its mesh and placements, with a CPU local tensor."""
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if local.device.type == "cpu":
+            return value
+        return DTensor.from_local(
+            local.cpu(),
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return value.cpu()
