@@ -15,7 +15,7 @@ from shard_runtime._fully_shard import (
 )
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._version import __version__
-from shard_runtime._wrap import apply_wrap_policy
+from shard_runtime._wrap import WrapPolicyLike, apply_wrap_policy, plan_units, resolve_wrap_policy
 from shard_runtime._wrapper import FullyShardedDataParallel
 from shard_runtime._wrapper_options import (
     BackwardPrefetch,
@@ -37,8 +37,11 @@ __all__ = [
     "OffloadPolicy",
     "ShardingStrategy",
     "UnshardHandle",
+    "WrapPolicyLike",
     "__version__",
     "apply_wrap_policy",
     "fully_shard",
+    "plan_units",
     "register_fsdp_forward_method",
+    "resolve_wrap_policy",
 ]

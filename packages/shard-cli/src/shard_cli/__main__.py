@@ -1,0 +1,151 @@
+"""``python -m shard_cli`` and the ``shard`` console script: ``train``, ``plan``, ``ckpt``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, TrainOptions, resolve_options
+from shard_cli._presets import PRESETS
+
+__all__ = ["build_parser", "main"]
+
+_EPILOG_TRAIN = """\
+several machines: run the same module under torchrun on each, e.g.
+  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+      --rdzv-endpoint HOST:29500 -m shard_cli train --preset small
+"""
+
+
+def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    defaults = TrainOptions()
+    p = sub.add_parser(
+        "train",
+        help="train a GPT on shard's own sources across local ranks, and watch it",
+        description=(
+            "Train a character-level GPT on shard's own Python sources, sharded across N\n"
+            "local ranks (CPU/gloo, or GPUs/NCCL when present), launched through\n"
+            "torch.distributed.run. Rank 0 shows progress and a summary and writes\n"
+            "metrics.jsonl, summary.json, training.png and sample.txt to the run directory."
+        ),
+        epilog=_EPILOG_TRAIN,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,
+    )
+    presets = ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items())
+    p.add_argument(
+        "--preset", choices=list(PRESETS), help=f"model size (default {defaults.preset}): {presets}"
+    )
+    p.add_argument("--nproc", type=int, help=f"local ranks to launch (default {defaults.nproc})")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    p.add_argument("--batch", type=int, help="sequences per rank per step (default: the preset's)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's)")
+    p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")
+    p.add_argument("--heads", dest="n_heads", type=int, help="override the preset's heads")
+    p.add_argument("--layers", dest="n_layers", type=int, help="override the preset's blocks")
+    p.add_argument("--seed", type=int, help=f"model and data seed (default {defaults.seed})")
+    p.add_argument("--frontend", choices=FRONTENDS, help="fully_shard (default) or wrapper")
+    p.add_argument("--strategy", choices=STRATEGIES, help="sharding strategy (default full)")
+    p.add_argument(
+        "--shard-size", dest="shard_size", type=int, help="ranks per shard group for hybrid"
+    )
+    p.add_argument("--precision", choices=PRECISIONS, help="fp32 (default) or bf16")
+    p.add_argument(
+        "--cpu-offload", dest="cpu_offload", action="store_true", help="shards on the CPU"
+    )
+    p.add_argument(
+        "--wrap-policy",
+        dest="wrap_policy",
+        help="blocks (default), none, or a registered policy name (transformer, size)",
+    )
+    p.add_argument("--run-dir", dest="run_dir", help=f"outputs (default {defaults.run_dir})")
+    p.add_argument("--ckpt-dir", dest="ckpt_dir", help="checkpoint (default RUN_DIR/checkpoint)")
+    p.add_argument(
+        "--ckpt-every",
+        dest="ckpt_every",
+        type=int,
+        help=f"save every N steps and at the end; 0: at the end only ({defaults.ckpt_every})",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the run in --run-dir from its checkpoint"
+    )
+    p.add_argument(
+        "--sample-chars", dest="sample_chars", type=int, help="characters generated at the end"
+    )
+    p.add_argument(
+        "--measure-step", dest="measure_step", type=int, help="the step profiled for the summary"
+    )
+    p.add_argument("--timeout", dest="timeout_s", type=float, help="collective timeout in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shard`` command line."""
+    from shard_cli._ckpt_cli import add_ckpt_parser
+    from shard_cli._plan_cli import add_plan_parser
+
+    parser = argparse.ArgumentParser(
+        prog="shard", description="shard: fully sharded data parallel training for PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    add_plan_parser(sub)
+    add_ckpt_parser(sub)
+    return parser
+
+
+def _check_policy(name: str) -> None:
+    """Refuse an unknown ``--wrap-policy`` before any rank starts."""
+    if name in ("blocks", "none"):
+        return
+    from shard_core import get_registry
+
+    names = sorted(get_registry().wrap_policies())
+    if name not in names:
+        raise LookupError(
+            f"--wrap-policy {name!r} is not a registered wrap policy; use blocks, none or one "
+            f"of {', '.join(names)} (or install the plugin that provides it)"
+        )
+
+
+def _train(given: dict[str, object], argv: Sequence[str]) -> int:
+    from shard_cli._launch import is_launched_rank, launch
+
+    try:
+        options = resolve_options(given)
+        _check_policy(options.wrap_policy)
+    except (ValueError, FileNotFoundError, LookupError) as exc:
+        print(f"shard train: {exc}", file=sys.stderr)
+        return 2
+    if is_launched_rank():
+        from shard_cli._train import run_worker
+
+        code = run_worker(options)
+        # gloo may abort in interpreter teardown; leave without it (see shard-testing's notes).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return launch(options, list(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shard`` command; the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    namespace = parser.parse_args(args)
+    given = {k: v for k, v in vars(namespace).items() if k not in ("command", "run")}
+    if namespace.command == "train":
+        return _train(given, args[1:])
+    run = namespace.run
+    try:
+        code: int = run(namespace)
+    except BrokenPipeError:  # output piped into head, say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""What a forward saves for backward, per unit, without computing anything.
+
+The forward runs under ``FakeTensorMode`` (tensors with shapes, dtypes and
+devices, no data), so the operators dispatch to the kernels a real CPU run
+picks (scaled-dot-product attention's fused kernel saves far less than the
+math fallback a meta-device forward would take). Every tensor autograd
+saves passes through a ``saved_tensors_hooks`` pack hook, which records its
+storage once and charges it to the innermost unit whose forward is running;
+the model's own parameters are left out (``shard plan`` counts unsharded
+parameters separately). The order in which units' forwards start is
+recorded too: it is the order the runtime gathers them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = ["ActivationProfile", "lm_activation_profile"]
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Saved activations of one forward, per unit.
+
+    Attributes:
+        order: Unit names in the order their forwards start (the root, ``""``, first).
+        saved: Bytes saved for backward while each unit's own forward ran
+            (inside a child unit they are the child's).
+        largest: The largest single saved tensor of each unit, in bytes.
+    """
+
+    order: tuple[str, ...]
+    saved: dict[str, int]
+    largest: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        """Bytes saved by the whole forward."""
+        return sum(self.saved.values())
+
+
+def lm_activation_profile(
+    build: Callable[[], nn.Module],
+    unit_names: Sequence[str],
+    *,
+    batch: int,
+    seq: int,
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    logits_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> ActivationProfile:
+    """The activations of one language-model step on ``batch`` x ``seq`` tokens.
+
+    ``build`` makes the model (on any device: it is re-created with fake
+    CPU storage) computing in ``dtype``; the step is
+    ``cross_entropy(logits.float(), targets)``, charged to the root.
+    ``unit_names`` are the qualified names of the units (``""``: the root).
+    ``logits_of(model, tokens)`` extracts the logits (default: ``model(tokens)``).
+    """
+    with torch.device("meta"):
+        model = build().to(dtype)
+    stack = [""]
+    order: list[str] = [""]
+    saved: dict[str, dict[int, int]] = {name: {} for name in unit_names}
+    saved.setdefault("", {})
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            stack.append(name)
+            if name not in order:
+                order.append(name)
+
+        return hook
+
+    def leave(*_: Any) -> None:
+        stack.pop()
+
+    for name, module in model.named_modules():
+        if name in saved and name:
+            module.register_forward_pre_hook(enter(name))
+            module.register_forward_hook(leave)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if all(key not in charged for charged in saved.values()):
+            saved[stack[-1]][key] = storage.nbytes()
+        return tensor
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        tokens = torch.zeros((batch, seq), dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = logits_of(model, tokens) if logits_of else model(tokens)
+            F.cross_entropy(logits.float().reshape(-1, vocab_size), tokens.reshape(-1))
+    kept = {
+        name: [n for key, n in charged.items() if key not in params]
+        for name, charged in saved.items()
+    }
+    return ActivationProfile(
+        order=tuple(order),
+        saved={name: sum(sizes) for name, sizes in kept.items()},
+        largest={name: max(sizes, default=0) for name, sizes in kept.items()},
+    )

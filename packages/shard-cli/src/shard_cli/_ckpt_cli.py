@@ -1,0 +1,190 @@
+"""``shard ckpt inspect`` and ``shard ckpt consolidate``: a checkpoint without a training job.
+
+Both read only ``torch.distributed.checkpoint`` metadata and files (one
+process, no process group): ``inspect`` lists every key with its full
+shape, dtype and size, the number of ranks that wrote the checkpoint and the
+total size; ``consolidate`` is shard-checkpoint's streaming export to one
+safetensors or ``torch.save`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from shard_checkpoint import CheckpointError, consolidate, resolve_checkpoint
+from shard_cli._report import format_bytes
+
+__all__ = ["CheckpointEntry", "CheckpointInfo", "add_ckpt_parser", "inspect_checkpoint"]
+
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+@dataclass(frozen=True)
+class CheckpointEntry:
+    """One key of a checkpoint.
+
+    Attributes:
+        key: The flat key (``"model.blocks.0.attn.qkv.weight"``).
+        shape: The full (unsharded) shape; ``None`` for a non-tensor value.
+        dtype: The dtype's name (``"float32"``); ``"object"`` for a non-tensor value.
+        nbytes: The full tensor's size (0 for a non-tensor value).
+        chunks: How many saved pieces make it up (one per shard written).
+    """
+
+    key: str
+    shape: tuple[int, ...] | None
+    dtype: str
+    nbytes: int
+    chunks: int
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``shard ckpt inspect`` reports.
+
+    Attributes:
+        path: The complete checkpoint directory read.
+        entries: Every key, in the checkpoint's order.
+        world_size: Ranks that wrote it (from the names of its data files).
+        tensor_bytes: Sum of the full tensors' sizes.
+        file_bytes: Sum of the sizes of the files in the directory.
+    """
+
+    path: Path
+    entries: tuple[CheckpointEntry, ...]
+    world_size: int
+    tensor_bytes: int
+    file_bytes: int
+
+
+def inspect_checkpoint(checkpoint_id: str | Path) -> CheckpointInfo:
+    """Read the metadata of the checkpoint at ``checkpoint_id``.
+
+    Raises:
+        shard_checkpoint.CheckpointError: no complete checkpoint there.
+    """
+    path = resolve_checkpoint(checkpoint_id)
+    metadata = FileSystemReader(path).read_metadata()
+    entries = []
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            shape = tuple(entry.size)
+            numel = 1
+            for dim in shape:
+                numel *= dim
+            entries.append(
+                CheckpointEntry(
+                    key=key,
+                    shape=shape,
+                    dtype=str(dtype).removeprefix("torch."),
+                    nbytes=numel * torch.empty((), dtype=dtype).element_size(),
+                    chunks=len(entry.chunks),
+                )
+            )
+        else:
+            entries.append(CheckpointEntry(key=key, shape=None, dtype="object", nbytes=0, chunks=1))
+    ranks: set[int] = set()
+    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+    for info in storage.values():
+        match = _RANK_FILE.search(str(getattr(info, "relative_path", "")))
+        if match:
+            ranks.add(int(match.group(1)))
+    return CheckpointInfo(
+        path=path,
+        entries=tuple(entries),
+        world_size=max(ranks) + 1 if ranks else 1,
+        tensor_bytes=sum(e.nbytes for e in entries),
+        file_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+    )
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        info = inspect_checkpoint(args.dir)
+    except CheckpointError as exc:
+        print(f"shard ckpt inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        data: dict[str, Any] = {
+            "path": str(info.path),
+            "world_size": info.world_size,
+            "tensor_bytes": info.tensor_bytes,
+            "file_bytes": info.file_bytes,
+            "entries": [
+                {
+                    "key": e.key,
+                    "shape": list(e.shape) if e.shape is not None else None,
+                    "dtype": e.dtype,
+                    "bytes": e.nbytes,
+                    "chunks": e.chunks,
+                }
+                for e in info.entries
+            ],
+        }
+        print(json.dumps(data, indent=2))
+        return 0
+    width = max((len(e.key) for e in info.entries), default=3)
+    print(
+        f"{info.path}: {len(info.entries)} keys, written by {info.world_size} rank"
+        f"{'s' if info.world_size != 1 else ''}, tensors {format_bytes(info.tensor_bytes)} "
+        f"({info.tensor_bytes} bytes), files {format_bytes(info.file_bytes)}"
+    )
+    print(f"  {'key':<{width}}  {'shape':<16} {'dtype':<9} {'bytes':>10}  chunks")
+    for e in info.entries:
+        shape = "x".join(str(d) for d in e.shape) if e.shape is not None else "-"
+        if e.shape == ():
+            shape = "scalar"
+        print(f"  {e.key:<{width}}  {shape:<16} {e.dtype:<9} {e.nbytes:>10}  {e.chunks}")
+    return 0
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    try:
+        prefix = args.prefix
+        if prefix is None:
+            keys = [e.key for e in inspect_checkpoint(args.dir).entries]
+            prefix = "model." if any(k.startswith("model.") for k in keys) else ""
+        out = consolidate(args.dir, args.out, fmt=args.format, prefix=prefix)
+    except CheckpointError as exc:
+        print(f"shard ckpt consolidate: {exc}", file=sys.stderr)
+        return 2
+    what = f"keys under {prefix!r}" if prefix else "every key"
+    print(f"wrote {out} ({args.format}, {what}, {format_bytes(out.stat().st_size)})")
+    return 0
+
+
+def add_ckpt_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``shard ckpt inspect`` and ``shard ckpt consolidate``."""
+    p = sub.add_parser("ckpt", help="inspect or consolidate a checkpoint")
+    ckpt = p.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt.add_parser(
+        "inspect", help="keys, shapes, dtypes, writing world size and total bytes"
+    )
+    inspect.add_argument("dir", help="the checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.set_defaults(run=_inspect)
+    cons = ckpt.add_parser(
+        "consolidate", help="write the full tensors to one file, one tensor at a time"
+    )
+    cons.add_argument("dir", help="the checkpoint directory")
+    cons.add_argument("out", help="the file to write")
+    cons.add_argument(
+        "--format", choices=("safetensors", "torch"), default="safetensors", help="file format"
+    )
+    cons.add_argument(
+        "--prefix",
+        help="keep keys under this prefix, without it (default: 'model.' when the checkpoint "
+        "has a model, as shard train writes; '' keeps every key)",
+    )
+    cons.set_defaults(run=_consolidate)

@@ -1,0 +1,203 @@
+"""What a ``shard train`` run is: every choice, resolved, in one frozen dataclass.
+
+The launcher and every rank resolve the same command line into the same
+:class:`TrainOptions` (under ``torchrun`` on several machines each rank does it
+on its own), and rank 0 writes it to the run directory as ``config.json``, so
+``--resume`` restarts from exactly what the interrupted run did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from shard_cli._presets import get_preset
+
+__all__ = [
+    "FRONTENDS",
+    "PRECISIONS",
+    "STRATEGIES",
+    "Frontend",
+    "Precision",
+    "Strategy",
+    "TrainOptions",
+    "load_run_config",
+    "resolve_options",
+]
+
+Frontend = Literal["fully_shard", "wrapper"]
+Strategy = Literal["full", "grad-op", "no-shard", "hybrid"]
+Precision = Literal["fp32", "bf16"]
+
+FRONTENDS: tuple[str, ...] = get_args(Frontend)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+# Options a resumed run may change; every other one must match the checkpoint's run.
+RESUMABLE_CHANGES = frozenset(
+    {"steps", "ckpt_every", "resume", "sample_chars", "measure_step", "timeout_s"}
+)
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """One ``shard train`` run.
+
+    Attributes:
+        preset: Model size and default settings (see ``shard train --help``).
+        d_model: Width override; ``None`` keeps the preset's.
+        n_heads: Attention heads override; ``None`` keeps the preset's.
+        n_layers: Block count override; ``None`` keeps the preset's.
+        seq: Sequence length (also the model's context).
+        batch: Sequences per rank per step.
+        steps: Optimizer steps of the whole run (a resumed run continues to it).
+        lr: AdamW learning rate (constant).
+        seed: Seeds the model's initialization and every batch.
+        nproc: Local ranks the launcher starts (ignored under ``torchrun``).
+        frontend: ``fully_shard`` (per-parameter) or ``wrapper`` (flat parameters).
+        strategy: ``full`` (FULL_SHARD), ``grad-op`` (SHARD_GRAD_OP),
+            ``no-shard`` (NO_SHARD) or ``hybrid`` (HYBRID_SHARD).
+        shard_size: Ranks per shard group for ``hybrid``; ``None``: the ranks
+            of one machine (``LOCAL_WORLD_SIZE``).
+        precision: ``fp32``, or ``bf16`` compute with fp32 gradient reduction.
+        cpu_offload: Keep shards, gradients and optimizer state on the CPU.
+        wrap_policy: ``blocks`` (each transformer block a unit), ``none`` (the
+            root only), or a wrap policy registered by a plugin.
+        run_dir: Where ``config.json``, ``metrics.jsonl``, ``summary.json``,
+            ``training.png`` and ``sample.txt`` go.
+        ckpt_dir: The checkpoint directory; ``None``: ``<run_dir>/checkpoint``.
+        ckpt_every: Save every this many steps (and at the end); 0: only at the end.
+        resume: Continue from the checkpoint in ``ckpt_dir``.
+        sample_chars: Characters of text generated at the end (0: none).
+        measure_step: The first of the three steps profiled for peak memory
+            and communication time; ``None``: the second step of this launch.
+        timeout_s: Collective timeout: a rank that stops answering ends the
+            job after this long.
+    """
+
+    preset: str = "small"
+    d_model: int | None = None
+    n_heads: int | None = None
+    n_layers: int | None = None
+    seq: int = 64
+    batch: int = 16
+    steps: int = 400
+    lr: float = 3e-3
+    seed: int = 0
+    nproc: int = 2
+    frontend: Frontend = "fully_shard"
+    strategy: Strategy = "full"
+    shard_size: int | None = None
+    precision: Precision = "fp32"
+    cpu_offload: bool = False
+    wrap_policy: str = "blocks"
+    run_dir: str = "runs/shard-train"
+    ckpt_dir: str | None = None
+    ckpt_every: int = 50
+    resume: bool = False
+    sample_chars: int = 200
+    measure_step: int | None = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        get_preset(self.preset)
+        choices = (
+            ("frontend", self.frontend, FRONTENDS),
+            ("strategy", self.strategy, STRATEGIES),
+            ("precision", self.precision, PRECISIONS),
+        )
+        for name, value, allowed in choices:
+            if value not in allowed:
+                raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+        positive = {"seq": self.seq, "batch": self.batch, "steps": self.steps, "nproc": self.nproc}
+        for name, number in positive.items():
+            if number < 1:
+                raise ValueError(f"--{name} must be at least 1, got {number}")
+        if self.ckpt_every < 0:
+            raise ValueError(
+                f"--ckpt-every must be 0 (only at the end) or more, got {self.ckpt_every}"
+            )
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where the checkpoint is written and read."""
+        return Path(self.ckpt_dir) if self.ckpt_dir else Path(self.run_dir) / "checkpoint"
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as a JSON object (``config.json``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrainOptions:
+        """Options from ``config.json``; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(
+                f"config.json has options this shard-cli does not know: {', '.join(unknown)}; "
+                "resume with the shard-cli version that wrote it"
+            )
+        return cls(**data)
+
+
+def load_run_config(run_dir: str | Path) -> TrainOptions:
+    """The options stored in ``<run_dir>/config.json``.
+
+    Raises:
+        FileNotFoundError: the run directory has no ``config.json`` (the
+            message says how to start a run there).
+    """
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--resume: {path} does not exist; start the run first (shard train --run-dir "
+            f"{run_dir}), or pass the --run-dir of an interrupted run"
+        )
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return TrainOptions.from_json(data)
+
+
+def resolve_options(given: dict[str, Any]) -> TrainOptions:
+    """The run that the flags ``given`` on the command line describe.
+
+    ``given`` holds only the flags the user wrote. A new run takes the rest
+    from the preset (``steps``, ``batch``, ``seq``, ``lr``) and the defaults;
+    with ``resume`` set, the run continues the one stored in
+    ``<run_dir>/config.json`` and only ``steps``, ``ckpt_every``,
+    ``sample_chars``, ``measure_step`` and ``timeout_s`` may change.
+
+    Raises:
+        ValueError: a flag is out of range, or a resume changes an option the
+            checkpoint depends on (the message names it and the stored value).
+        FileNotFoundError: ``resume`` without a ``config.json`` to resume.
+    """
+    if given.get("resume"):
+        stored = load_run_config(given.get("run_dir", TrainOptions.run_dir))
+        changes: dict[str, Any] = {"resume": True}
+        for name, value in given.items():
+            if name in RESUMABLE_CHANGES:
+                changes[name] = value
+            elif name not in ("run_dir", "ckpt_dir") and value != getattr(stored, name):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"--resume: {flag} {value} differs from the interrupted run's "
+                    f"{getattr(stored, name)} (config.json); a resumed run keeps the model, "
+                    f"front end, strategy, precision and world size of its checkpoint: drop {flag}"
+                )
+        for name in ("run_dir", "ckpt_dir"):
+            if name in given:
+                changes[name] = given[name]
+        return dataclasses.replace(stored, **changes)
+    preset = get_preset(given.get("preset", TrainOptions.preset))
+    defaults: dict[str, Any] = {
+        "steps": preset.steps,
+        "batch": preset.batch,
+        "seq": preset.seq_len,
+        "lr": preset.lr,
+    }
+    return TrainOptions(**{**defaults, **given})

@@ -1,0 +1,508 @@
+"""``shard plan``: will it fit, before launching anything.
+
+The model comes from a preset, a ``module:factory`` import path, or a Hugging
+Face ``transformers`` config (a local ``config.json`` or a config class name
+with keyword arguments; nothing is downloaded), always built on the meta
+device. The wrap plan is printed as a tree of units, then per-rank memory
+for each strategy side by side; all of it is arithmetic (see ``_plan.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shard_cli._activations import ActivationProfile, lm_activation_profile
+from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, Frontend, Precision, Strategy
+from shard_cli._plan import (
+    MemoryEstimate,
+    PlanConfig,
+    UnitPlan,
+    estimate_memory,
+    plan_model_units,
+    unsharded_memory,
+)
+from shard_cli._presets import PRESETS, get_preset
+from shard_cli._report import format_bytes
+from shard_cli._shard import compute_dtype, resolve_policy
+from shard_cli.gpt import GPT
+from shard_core import get_registry
+from shard_core.errors import ShardError
+
+__all__ = ["ModelSource", "add_plan_parser", "load_model_source", "plan_report", "run_plan"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to plan, built on demand on the meta device.
+
+    Attributes:
+        description: What the model is, for the report.
+        build: Makes the model (call it under ``torch.device("meta")``).
+        vocab_size: Its vocabulary when it is a language model (activations
+            are then estimated), else ``None``.
+        seq: The default sequence length for the activation estimate.
+        batch: The default batch for the activation estimate.
+        logits_of: How to get logits from ``(model, tokens)``; ``None``: ``model(tokens)``.
+        default_policy: The wrap policy when ``--wrap-policy auto``.
+    """
+
+    description: str
+    build: Callable[[], nn.Module]
+    vocab_size: int | None
+    seq: int
+    batch: int
+    logits_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
+    default_policy: str
+
+
+def _registered_or_none(name: str) -> str:
+    return name if name in get_registry().wrap_policies() else "none"
+
+
+def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens).logits
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+def _parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--hf-arg {item!r}: write KEY=VALUE, e.g. n_layer=4")
+        try:
+            kwargs[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key] = raw
+    return kwargs
+
+
+def load_model_source(
+    *,
+    preset: str | None = None,
+    model: str | None = None,
+    hf_config: str | None = None,
+    hf_args: Sequence[str] = (),
+    overrides: dict[str, int | None] | None = None,
+) -> ModelSource:
+    """The model one of ``preset``, ``model`` (``module:factory``) or ``hf_config`` names.
+
+    Raises:
+        ValueError: none or several are given, or one cannot be resolved (the
+            message says which and how to fix it).
+    """
+    given = [
+        n for n, v in (("--preset", preset), ("--model", model), ("--hf-config", hf_config)) if v
+    ]
+    if len(given) > 1:
+        raise ValueError(f"give one model, got {' and '.join(given)}")
+    if model:
+        return _factory_source(model)
+    if hf_config:
+        return _hf_source(hf_config, _parse_kwargs(hf_args))
+    spec = get_preset(preset or "small")
+    vocab = spec.vocab_size
+    if vocab is None:
+        from shard_cli._corpus import load_corpus
+
+        vocab = load_corpus().vocab_size
+    sizes = overrides or {}
+    config = spec.config(
+        vocab_size=vocab,
+        seq_len=sizes.get("seq"),
+        d_model=sizes.get("d_model"),
+        n_heads=sizes.get("n_heads"),
+        n_layers=sizes.get("n_layers"),
+    )
+    return ModelSource(
+        description=f"preset {spec.name}: {spec.description}",
+        build=lambda: GPT(config),
+        vocab_size=config.vocab_size,
+        seq=config.seq_len,
+        batch=spec.batch,
+        logits_of=None,
+        default_policy="blocks",
+    )
+
+
+def _factory_source(path: str) -> ModelSource:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {path!r}: write module:factory, e.g. mypkg.models:build")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {path!r}: cannot import it: {exc}") from exc
+    if not callable(factory):
+        raise ValueError(f"--model {path!r}: {attr} is not callable; name a function or class")
+
+    def build() -> nn.Module:
+        built = factory()
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"--model {path!r} returned {type(built).__name__}, not an nn.Module")
+        return built
+
+    return ModelSource(
+        description=f"{path}()",
+        build=build,
+        vocab_size=None,
+        seq=0,
+        batch=0,
+        logits_of=None,
+        default_policy=_registered_or_none("transformer"),
+    )
+
+
+def _hf_source(config_ref: str, kwargs: dict[str, Any]) -> ModelSource:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(
+            "--hf-config needs the transformers package: pip install transformers"
+        ) from exc
+    path = Path(config_ref)
+    if path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        config = transformers.AutoConfig.from_pretrained(str(file), **kwargs)
+        what = f"transformers config {file}"
+    else:
+        cls = getattr(transformers, config_ref, None)
+        if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+            raise ValueError(
+                f"--hf-config {config_ref!r} is neither a local config.json (file or directory) "
+                "nor a transformers config class (GPT2Config, LlamaConfig...); names of hub "
+                "models would need a download, which shard plan never does"
+            )
+        config = cls(**kwargs)
+        what = f"transformers.{config_ref}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "n_positions", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+    seq = min(positions, 2048) if isinstance(positions, int) else 1024
+
+    def build() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        assert isinstance(model, nn.Module)
+        return model
+
+    return ModelSource(
+        description=what,
+        build=build,
+        vocab_size=vocab if isinstance(vocab, int) else None,
+        seq=seq,
+        batch=1,
+        logits_of=_hf_logits,
+        default_policy=_registered_or_none("transformer"),
+    )
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _tree_lines(units: Sequence[UnitPlan], dtype_bytes: int) -> list[str]:
+    """The units as an indented tree; runs of identical siblings on one line."""
+    names = [u.name for u in units]
+
+    def parent(name: str) -> str | None:
+        best: str | None = None
+        for other in names:
+            inside = other != name and (other == "" or name.startswith(other + "."))
+            if inside and (best is None or len(other) > len(best)):
+                best = other
+        return best
+
+    children: dict[str | None, list[UnitPlan]] = {}
+    for unit in units:
+        children.setdefault(parent(unit.name) if unit.name else None, []).append(unit)
+    lines: list[str] = []
+
+    def show(unit: UnitPlan, depth: int, count: int, last_name: str) -> None:
+        label = unit.name or "(root)"
+        if count > 1:
+            label = f"{unit.name} .. {last_name} ({count}x)"
+        own = ", ".join(p.name for p in unit.params[:4])
+        if len(unit.params) > 4:
+            own += ", ..."
+        each = " each" if count > 1 else ""
+        lines.append(
+            f"  {'  ' * depth}{label} [{unit.module_type}]  {unit.numel / 1e6:.3f} M params{each}, "
+            f"{format_bytes(unit.numel * dtype_bytes)}{each}"
+            + (f"  ({own})" if not unit.name else "")
+        )
+
+    def walk(unit: UnitPlan, depth: int) -> None:
+        kids = sorted(children.get(unit.name, []), key=lambda u: names.index(u.name))
+        i = 0
+        while i < len(kids):
+            j = i
+            while (
+                j + 1 < len(kids)
+                and kids[j + 1].module_type == kids[i].module_type
+                and kids[j + 1].numel == kids[i].numel
+                and not children.get(kids[j + 1].name)
+            ):
+                j += 1
+            show(kids[i], depth, j - i + 1, kids[j].name)
+            if j == i:
+                walk(kids[i], depth + 1)
+            i = j + 1
+
+    root = units[-1]
+    show(root, 0, 1, "")
+    walk(root, 1)
+    return lines
+
+
+def _default_shard_size(world: int) -> int:
+    return 8 if world % 8 == 0 and world > 8 else world
+
+
+def plan_report(
+    source: ModelSource,
+    *,
+    world: int,
+    strategies: Sequence[Strategy],
+    frontend: Frontend,
+    precision: Precision,
+    cpu_offload: bool,
+    wrap_policy: str,
+    shard_size: int | None,
+    batch: int | None,
+    seq: int | None,
+    rank: int,
+) -> dict[str, Any]:
+    """Everything ``shard plan`` prints, as a JSON-able dict (see :func:`format_plan`)."""
+    policy_name = source.default_policy if wrap_policy == "auto" else wrap_policy
+    with torch.device("meta"):
+        model = source.build()
+    units = plan_model_units(model, resolve_policy(policy_name))
+    batch = batch or source.batch
+    seq = seq or source.seq
+    activations: ActivationProfile | None = None
+    single: ActivationProfile | None = None
+    note = ""
+    if source.vocab_size is not None and batch and seq:
+        names = [u.name for u in units]
+        vocab = source.vocab_size
+        try:
+            activations = lm_activation_profile(
+                source.build,
+                names,
+                batch=batch,
+                seq=seq,
+                vocab_size=vocab,
+                dtype=compute_dtype(precision),
+                logits_of=source.logits_of,
+            )
+            single = (
+                activations
+                if precision == "fp32"
+                else lm_activation_profile(
+                    source.build,
+                    names,
+                    batch=batch,
+                    seq=seq,
+                    vocab_size=vocab,
+                    logits_of=source.logits_of,
+                )
+            )
+        except Exception as exc:  # a model the fake forward cannot run
+            note = (
+                f"activations not estimated: the fake forward failed ({type(exc).__name__}: {exc})"
+            )
+    else:
+        note = "activations not estimated: no example input for this model (add them yourself)"
+    hybrid = shard_size or _default_shard_size(world)
+    columns: dict[str, MemoryEstimate] = {}
+    for strategy in strategies:
+        config = PlanConfig(
+            frontend=frontend,
+            strategy=strategy,
+            world=world,
+            shard_size=hybrid if strategy == "hybrid" else None,
+            precision=precision,
+            cpu_offload=cpu_offload,
+        )
+        columns[strategy] = estimate_memory(units, config, activations=activations, rank=rank)
+    alone = unsharded_memory(units, activations=single)
+    return {
+        "model": source.description,
+        "parameters": sum(u.numel for u in units),
+        "wrap_policy": policy_name,
+        "frontend": frontend,
+        "precision": precision,
+        "cpu_offload": cpu_offload,
+        "world_size": world,
+        "rank": rank,
+        "hybrid_shard_size": hybrid,
+        "batch": batch if activations else None,
+        "seq": seq if activations else None,
+        "note": note,
+        "units": [
+            {
+                "name": u.name,
+                "module_type": u.module_type,
+                "numel": u.numel,
+                "bytes": u.numel * u.element_size,
+                "params": [p.name for p in u.params],
+            }
+            for u in units
+        ],
+        "tree": _tree_lines(units, units[-1].element_size if units else 4),
+        "strategies": {
+            name: {k: v for k, v in asdict(e).items() if k != "config"}
+            for name, e in columns.items()
+        },
+        "unsharded": {k: v for k, v in asdict(alone).items() if k != "config"},
+    }
+
+
+_ROWS = (
+    ("parameters", "params"),
+    ("gradients", "grads"),
+    ("AdamW state", "optim"),
+    ("full params+grads in flight", "in_flight"),
+    ("activations", "activations"),
+    ("peak (estimate)", "peak"),
+)
+
+
+def format_plan(report: dict[str, Any]) -> list[str]:
+    """The lines ``shard plan`` prints for a report of :func:`plan_report`."""
+    r = report
+    lines = [
+        f"shard plan: {r['model']}",
+        f"  {r['parameters'] / 1e6:.2f} M parameters; {r['frontend']}, {r['precision']}"
+        f"{', cpu offload' if r['cpu_offload'] else ''}; wrap policy {r['wrap_policy']}; "
+        f"world size {r['world_size']}",
+        "",
+        f"units ({len(r['units'])}, children before the root in the order they shard):",
+        *r["tree"],
+        "",
+    ]
+    acts = f"batch {r['batch']} x seq {r['seq']}" if r["batch"] else "no activations"
+    lines.append(f"per-rank memory (rank {r['rank']}; {acts}):")
+    names = list(r["strategies"])
+    heads = [f"hybrid({r['hybrid_shard_size']})" if n == "hybrid" else n for n in names]
+    width = 30
+    lines.append(" " * width + "".join(f"{h:>14}" for h in heads) + f"{'1 process':>14}")
+    for label, key in _ROWS:
+        cells = [r["strategies"][n][key] for n in names] + [r["unsharded"][key]]
+        lines.append(
+            f"  {label:<{width - 2}}"
+            + "".join(f"{format_bytes(c) if c is not None else '-':>14}" for c in cells)
+        )
+    if r["note"]:
+        lines.append(f"  ({r['note']})")
+    return lines
+
+
+def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``shard plan``."""
+    p = sub.add_parser(
+        "plan",
+        help="print the wrap plan and per-rank memory of a model, without launching anything",
+        description=(
+            "Print the units a wrap policy makes of a model (built on the meta device) and "
+            "what each rank would hold for each strategy, for any world size. Pure "
+            "arithmetic: no process is started and nothing is downloaded."
+        ),
+    )
+    p.add_argument("--preset", choices=list(PRESETS), help="a built-in GPT size (default small)")
+    p.add_argument("--model", help="module:factory returning an nn.Module")
+    p.add_argument(
+        "--hf-config",
+        dest="hf_config",
+        help="a local transformers config.json (file or directory) or a config class name",
+    )
+    p.add_argument(
+        "--hf-arg",
+        dest="hf_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config keyword argument (repeatable), e.g. n_layer=48",
+    )
+    p.add_argument("--world-size", dest="world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument(
+        "--strategy",
+        dest="strategies",
+        action="append",
+        choices=STRATEGIES,
+        help="strategies to show (repeatable; default all four)",
+    )
+    p.add_argument("--shard-size", dest="shard_size", type=int, help="hybrid shard group size")
+    p.add_argument("--frontend", choices=FRONTENDS, default="fully_shard")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    p.add_argument("--cpu-offload", dest="cpu_offload", action="store_true")
+    p.add_argument(
+        "--wrap-policy",
+        dest="wrap_policy",
+        default="auto",
+        help="auto (default: blocks for presets, else transformer), blocks, none, or a "
+        "registered policy name",
+    )
+    p.add_argument("--batch", type=int, help="sequences per rank for the activation estimate")
+    p.add_argument("--seq", type=int, help="sequence length for the activation estimate")
+    p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")
+    p.add_argument("--heads", dest="n_heads", type=int, help="override the preset's heads")
+    p.add_argument("--layers", dest="n_layers", type=int, help="override the preset's blocks")
+    p.add_argument(
+        "--rank", type=int, default=0, help="the rank described (default 0, the largest)"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``shard plan``: print the plan; the exit status."""
+    try:
+        if args.world < 1:
+            raise ValueError(f"--world-size must be at least 1, got {args.world}")
+        if not 0 <= args.rank < args.world:
+            raise ValueError(f"--rank {args.rank} is not a rank of a world of {args.world}")
+        source = load_model_source(
+            preset=args.preset,
+            model=args.model,
+            hf_config=args.hf_config,
+            hf_args=args.hf_args,
+            overrides={
+                "seq": args.seq,
+                "d_model": args.d_model,
+                "n_heads": args.n_heads,
+                "n_layers": args.n_layers,
+            },
+        )
+        report = plan_report(
+            source,
+            world=args.world,
+            strategies=args.strategies or list(STRATEGIES),
+            frontend=args.frontend,
+            precision=args.precision,
+            cpu_offload=args.cpu_offload,
+            wrap_policy=args.wrap_policy,
+            shard_size=args.shard_size,
+            batch=args.batch,
+            seq=args.seq,
+            rank=args.rank,
+        )
+    except (ValueError, ShardError) as exc:
+        print(f"shard plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(format_plan(report)))
+    return 0

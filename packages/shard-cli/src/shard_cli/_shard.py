@@ -1,0 +1,166 @@
+"""How ``shard train`` shards its model: a strategy name becomes a mesh and front-end options.
+
+Both front ends express the four strategies, so the demo (and ``shard plan``)
+can put them side by side:
+
+=========== =============================================== ==========================
+strategy    ``fully_shard``                                 wrapper
+=========== =============================================== ==========================
+full        1-D mesh, ``reshard_after_forward=True``        ``FULL_SHARD``
+grad-op     1-D mesh, ``reshard_after_forward=False``       ``SHARD_GRAD_OP``
+no-shard    ``(world, 1)`` mesh (replicas of one shard)     ``NO_SHARD``
+hybrid      ``(world / s, s)`` mesh, reshard after forward  ``HYBRID_SHARD``, same mesh
+=========== =============================================== ==========================
+
+``s`` is the shard group size (``--shard-size``, default: the ranks of one
+machine). ``bf16`` computes in bfloat16 and reduces gradients in float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shard_cli._options import Frontend, Precision, Strategy
+from shard_cli.gpt import Block
+from shard_comms import build_mesh
+from shard_core.protocols import WrapPolicy
+from shard_runtime import (
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ModuleWrapPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+    apply_wrap_policy,
+)
+
+__all__ = [
+    "ShardLayout",
+    "compute_dtype",
+    "resolve_policy",
+    "shard_layout",
+    "shard_model",
+]
+
+_WRAPPER_STRATEGIES = {
+    "full": ShardingStrategy.FULL_SHARD,
+    "grad-op": ShardingStrategy.SHARD_GRAD_OP,
+    "no-shard": ShardingStrategy.NO_SHARD,
+    "hybrid": ShardingStrategy.HYBRID_SHARD,
+}
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How ``world`` ranks split into replicas and shard groups for one strategy.
+
+    Attributes:
+        world: Number of ranks.
+        shard: Ranks that share one copy of the model (the shard group).
+        replicate: Number of copies (``world // shard``).
+    """
+
+    world: int
+    shard: int
+    replicate: int
+
+
+def shard_layout(strategy: Strategy, world: int, shard_size: int | None = None) -> ShardLayout:
+    """The replicate x shard split ``strategy`` makes of ``world`` ranks.
+
+    ``shard_size`` (``hybrid`` only) defaults to ``LOCAL_WORLD_SIZE`` (the ranks
+    of one machine), or the whole world outside a launcher.
+
+    Raises:
+        ValueError: ``shard_size`` does not divide ``world``.
+    """
+    if strategy == "no-shard":
+        return ShardLayout(world, 1, world)
+    if strategy != "hybrid":
+        return ShardLayout(world, world, 1)
+    size = shard_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % size:
+        raise ValueError(
+            f"--strategy hybrid: --shard-size {size} does not divide the world size {world}; "
+            "pick a shard group size that divides it (the ranks of one machine, usually)"
+        )
+    return ShardLayout(world, size, world // size)
+
+
+def compute_dtype(precision: Precision) -> torch.dtype:
+    """The dtype forward and backward compute in."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def resolve_policy(name: str) -> WrapPolicy | str | None:
+    """The wrap policy ``--wrap-policy name`` means for the GPT model.
+
+    ``blocks``: each :class:`~shard_cli.gpt.Block` is a unit; ``none``: the
+    root is the only unit; anything else is a policy name for the plugin
+    registry (``transformer``, ``size``), resolved by the runtime.
+    """
+    if name == "blocks":
+        return ModuleWrapPolicy({Block})
+    if name == "none":
+        return None
+    return name
+
+
+def _mesh(strategy: Strategy, layout: ShardLayout, device_type: str) -> DeviceMesh:
+    if strategy in ("full", "grad-op"):
+        return build_mesh(device_type=device_type)
+    return build_mesh((layout.replicate, layout.shard), device_type=device_type)
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    frontend: Frontend,
+    strategy: Strategy,
+    layout: ShardLayout,
+    precision: Precision,
+    cpu_offload: bool,
+    policy: WrapPolicy | str | None,
+    device: torch.device,
+) -> tuple[nn.Module, DeviceMesh]:
+    """Shard ``model`` (a plain model on the CPU) and return it with the mesh it shards over.
+
+    Collective: every rank calls it with the same arguments.
+    """
+    mesh = _mesh(strategy, layout, device.type)
+    dtype = compute_dtype(precision)
+    low = dtype != torch.float32
+    if frontend == "fully_shard":
+        apply_wrap_policy(
+            model,
+            policy,
+            mesh=mesh,
+            reshard_after_forward=strategy in ("full", "hybrid"),
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=dtype if low else None,
+                reduce_dtype=torch.float32 if low else None,
+            ),
+            offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        )
+        return model, mesh
+    make: Callable[..., nn.Module] = FullyShardedDataParallel
+    wrapped = make(
+        model,
+        sharding_strategy=_WRAPPER_STRATEGIES[strategy],
+        auto_wrap_policy=policy,
+        mixed_precision=(
+            MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if low else None
+        ),
+        cpu_offload=CPUOffload(offload_params=cpu_offload),
+        device_id=device if device.type != "cpu" else None,
+        device_mesh=mesh if strategy != "no-shard" else None,
+    )
+    return wrapped, mesh

@@ -1,0 +1,510 @@
+"""One rank of ``shard train``: build, shard, train, checkpoint, measure, report.
+
+Every rank runs :func:`run_worker`, whether the launcher started it on this
+machine or ``torchrun`` started it on one of several; rank 0 also writes the
+run directory and prints. See ``_launch.py`` for how ranks are started and
+stopped, and [Note: batches from the step alone] for why resuming is exact.
+
+[Note: a step]
+A step is: this rank's batch, forward, ``cross_entropy`` in float32, backward
+(the runtime reduce-scatters the gradients), ``AdamW.step()``, then
+``zero_grad`` (gradients freed). The loss shown is the average over ranks.
+Three consecutive steps (from ``--measure-step``, by default the second of
+the launch) run under the profiler and the collective counters; the summary
+reports their communication bytes per kind, their communication and compute
+time, and the lowest of their three peaks: gloo frees a collective's buffers
+from its own thread when the collective is done, a moment that varies from
+step to step by up to one unit's buffers, and the lowest peak is the one
+that does not include that accident (``summary.json`` keeps the highest too).
+What each rank holds is measured right after the last one's optimizer step
+(gradients still there).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from shard_cli._activations import ActivationProfile, lm_activation_profile
+from shard_cli._checkpoint import load_training, save_training
+from shard_cli._corpus import CharCorpus, load_corpus
+from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
+from shard_cli._options import TrainOptions
+from shard_cli._plan import (
+    MemoryEstimate,
+    PlanConfig,
+    estimate_memory,
+    plan_model_units,
+    unsharded_memory,
+)
+from shard_cli._presets import get_preset
+from shard_cli._progress import Progress
+from shard_cli._report import summary_lines
+from shard_cli._shard import compute_dtype, resolve_policy, shard_layout, shard_model
+from shard_cli.gpt import GPT, GPTConfig
+from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
+from shard_core.errors import ShardError
+
+__all__ = ["RunSummary", "predict", "run_worker"]
+
+_PROFILED_STEPS = 3
+
+
+@dataclass
+class RunSummary:
+    """Everything ``summary.json`` holds; rank 0 builds it at the end of a run.
+
+    Attributes:
+        options: The run's options.
+        world_size: Number of ranks.
+        device: The compute device type.
+        backend: The process group's backend.
+        parameters: Parameters of the model.
+        steps_run: Steps this launch ran (after a resume: since the checkpoint).
+        first_loss: The loss of this launch's first step.
+        last_loss: The loss of the last step.
+        tokens_per_s: Tokens per second over this launch (all ranks).
+        wall_s: Wall time of this launch's training loop.
+        measured_step: The first profiled step (see [Note: a step]).
+        measured_steps: How many consecutive steps were profiled.
+        ranks: Per rank: ``params``, ``grads``, ``optim``, ``peak`` (the lowest
+            of the profiled steps' peaks), ``peak_max`` (the highest),
+            ``baseline`` (bytes) and ``rss_peak`` (the process's peak resident size).
+        plan: What ``shard plan`` predicts for rank 0 (``params``, ``grads``,
+            ``optim``, ``activations``, ``in_flight``, ``peak``) and, under
+            ``ranks``, each rank's ``params``/``grads``/``optim``.
+        unsharded: What one unsharded process would hold (plan).
+        comm_per_step: Calls and bytes per collective kind per step.
+        time: Per profiled step on rank 0, averaged: ``step_s``, ``comm_s``, ``compute_s``.
+    """
+
+    options: dict[str, Any]
+    world_size: int
+    device: str
+    backend: str
+    parameters: int
+    steps_run: int
+    first_loss: float
+    last_loss: float
+    tokens_per_s: float
+    wall_s: float
+    measured_step: int
+    measured_steps: int
+    ranks: list[dict[str, int]] = field(default_factory=list)
+    plan: dict[str, Any] = field(default_factory=dict)
+    unsharded: dict[str, int] = field(default_factory=dict)
+    comm_per_step: dict[str, dict[str, int]] = field(default_factory=dict)
+    time: dict[str, float] = field(default_factory=dict)
+
+
+def model_config(options: TrainOptions, vocab_size: int) -> GPTConfig:
+    """The model ``options`` describe, over a vocabulary of ``vocab_size`` characters."""
+    return get_preset(options.preset).config(
+        vocab_size=vocab_size,
+        seq_len=options.seq,
+        d_model=options.d_model,
+        n_heads=options.n_heads,
+        n_layers=options.n_layers,
+    )
+
+
+def predict(
+    config: GPTConfig, options: TrainOptions, world: int, rank: int = 0
+) -> tuple[MemoryEstimate, MemoryEstimate]:
+    """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process."""
+    with torch.device("meta"):
+        units = plan_model_units(GPT(config), resolve_policy(options.wrap_policy))
+    names = [u.name for u in units]
+
+    def profile(dtype: torch.dtype) -> ActivationProfile:
+        return lm_activation_profile(
+            lambda: GPT(config),
+            names,
+            batch=options.batch,
+            seq=options.seq,
+            vocab_size=config.vocab_size,
+            dtype=dtype,
+        )
+
+    plan_config = PlanConfig(
+        frontend=options.frontend,
+        strategy=options.strategy,
+        world=world,
+        shard_size=shard_layout(options.strategy, world, options.shard_size).shard,
+        precision=options.precision,
+        cpu_offload=options.cpu_offload,
+    )
+    return (
+        estimate_memory(
+            units, plan_config, activations=profile(compute_dtype(options.precision)), rank=rank
+        ),
+        unsharded_memory(units, activations=profile(torch.float32)),
+    )
+
+
+class _Run:
+    """The state of one rank's run."""
+
+    def __init__(self, options: TrainOptions) -> None:
+        self.options = options
+        dist_state = init_distributed(timeout=options.timeout_s)
+        self.rank = dist_state.rank
+        self.world = dist_state.world_size
+        self.device = dist_state.device
+        self.backend = dist_state.backend
+        if self.device.type == "cpu":
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        self.run_dir = Path(options.run_dir)
+        self.corpus: CharCorpus = load_corpus()
+        self.config = model_config(options, self.corpus.vocab_size)
+        self._check_vocab()
+        torch.manual_seed(options.seed)
+        model = GPT(self.config)
+        self.parameters = sum(p.numel() for p in model.parameters())
+        layout = shard_layout(options.strategy, self.world, options.shard_size)
+        self.model, self.mesh = shard_model(
+            model,
+            frontend=options.frontend,
+            strategy=options.strategy,
+            layout=layout,
+            precision=options.precision,
+            cpu_offload=options.cpu_offload,
+            policy=resolve_policy(options.wrap_policy),
+            device=self.device,
+        )
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=options.lr)
+        self.start = 0
+        self.current_step = 0
+        self.mesh_for_ckpt: DeviceMesh | None = (
+            None if options.strategy == "no-shard" and options.frontend == "wrapper" else self.mesh
+        )
+
+    # ------------------------------------------------------------------ setup
+
+    def _check_vocab(self) -> None:
+        path = self.run_dir / "model.json"
+        if self.options.resume and path.is_file():
+            stored = json.loads(path.read_text(encoding="utf-8"))["vocab"]
+            if stored != self.corpus.vocab:
+                raise RuntimeError(
+                    f"--resume: the training text's characters changed since {self.run_dir} "
+                    "was started (shard's sources were edited), so the checkpoint's embedding "
+                    "does not fit; start a new run with another --run-dir"
+                )
+
+    def prepare(self) -> None:
+        """Resume from the checkpoint, or start the run directory."""
+        options = self.options
+        if options.resume:
+            self.start = load_training(
+                options.checkpoint_path,
+                model=self.model,
+                optim=self.optim,
+                frontend=options.frontend,
+                mesh=self.mesh_for_ckpt,
+            )
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(
+                json.dumps(options.to_json(), indent=2) + "\n", encoding="utf-8"
+            )
+            (self.run_dir / "model.json").write_text(
+                json.dumps(
+                    {
+                        "config": asdict(self.config),
+                        "vocab": self.corpus.vocab,
+                        "parameters": self.parameters,
+                    },
+                    indent=2,
+                )
+                + "\n",
+                encoding="utf-8",
+            )
+            metrics = self.run_dir / "metrics.jsonl"
+            kept = []
+            if options.resume and metrics.is_file():
+                for line in metrics.read_text(encoding="utf-8").splitlines():
+                    if line and json.loads(line)["step"] <= self.start:
+                        kept.append(line + "\n")
+            metrics.write_text("".join(kept), encoding="utf-8")
+        dist.barrier()
+
+    # ------------------------------------------------------------------ steps
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        options = self.options
+        x, y = self.corpus.batch(
+            step=step, rank=self.rank, batch=options.batch, seq=options.seq, seed=options.seed
+        )
+        return x.to(self.device), y.to(self.device)
+
+    def _step(self, step: int) -> torch.Tensor:
+        """Batch, forward, backward, optimizer step; see [Note: a step]."""
+        x, y = self._batch(step)
+        logits = self.model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, self.config.vocab_size), y.reshape(-1))
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optim.step()
+        return loss.detach()
+
+    def train(self) -> RunSummary:
+        """Run the steps from the checkpoint (or 1) to ``--steps``; rank 0 reports."""
+        options = self.options
+        first = self.start + 1
+        if first > options.steps:
+            raise RuntimeError(
+                f"--resume: the checkpoint is at step {self.start} and --steps is "
+                f"{options.steps}; pass a larger --steps to train further"
+            )
+        measured = options.measure_step or min(first + 1, options.steps)
+        measured = min(max(measured, first), options.steps)
+        profiled = range(measured, min(measured + _PROFILED_STEPS, options.steps + 1))
+        progress = Progress(sys.stdout, first=first, last=options.steps, tty=sys.stdout.isatty())
+        if self.rank == 0:
+            print(self._banner(first), flush=True)
+        tokens_per_step = self.world * options.batch * options.seq
+        losses: list[float] = []
+        traces: list[StepTrace] = []
+        counts = CommCounts()
+        held = StateBytes(0, 0, 0)
+        handle = get_device_handle(self.device.type)
+        handle.reset_peak_memory_stats()
+        started = time.perf_counter()
+        for step in range(first, options.steps + 1):
+            self.current_step = step
+            began = time.perf_counter()
+            if step in profiled:
+                baseline = held_bytes([*self.model.parameters(), *_optim_tensors(self.optim)])
+                with count_collectives() as counts, profile_step(self.device, baseline) as trace:
+                    loss = self._step(step)
+                traces.append(trace)
+                held = state_bytes(self.model, self.optim)
+            else:
+                loss = self._step(step)
+            self.optim.zero_grad(set_to_none=True)
+            dist.all_reduce(loss)
+            value = float(loss) / self.world
+            losses.append(value)
+            elapsed = time.perf_counter() - started
+            if not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss is {value} at step {step}; lower --lr (now {options.lr})"
+                )
+            if self.rank == 0:
+                rate = tokens_per_step * (step - first + 1) / elapsed
+                self._log(step, value, rate, elapsed, time.perf_counter() - began)
+                progress.update(step, value, rate)
+            if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
+                save_training(
+                    options.checkpoint_path,
+                    model=self.model,
+                    optim=self.optim,
+                    frontend=options.frontend,
+                    mesh=self.mesh_for_ckpt,
+                    step=step,
+                    world_size=self.world,
+                )
+        wall = time.perf_counter() - started
+        if self.rank == 0:
+            progress.close()
+        rss = int(handle.memory_stats().get("peak_allocated", 0))
+        mine = {
+            "rank": self.rank,
+            "params": held.params,
+            "grads": held.grads,
+            "optim": held.optim,
+            "peak": min(t.peak_bytes for t in traces),
+            "peak_max": max(t.peak_bytes for t in traces),
+            "baseline": traces[-1].baseline_bytes,
+            "rss_peak": rss,
+            "step_s": sum(t.wall_s for t in traces) / len(traces),
+            "comm_s": sum(t.comm_s for t in traces) / len(traces),
+        }
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        summary = self._summary(gathered, losses, wall, measured, counts, tokens_per_step)
+        summary.measured_steps = len(traces)
+        return summary
+
+    # ------------------------------------------------------------------ output
+
+    def _banner(self, first: int) -> str:
+        o = self.options
+        resumed = f", resuming at step {first}" if o.resume else ""
+        where = f"{self.world} ranks ({self.backend}, {self.device.type})"
+        return (
+            f"shard train: preset {o.preset} ({self.parameters / 1e6:.2f} M parameters) on "
+            f"{where}, {o.frontend}, strategy {o.strategy}, {o.precision}"
+            f"{', cpu offload' if o.cpu_offload else ''}{resumed}\n"
+            f"run directory: {o.run_dir}  (checkpoint: {o.checkpoint_path})"
+        )
+
+    def _log(self, step: int, loss: float, rate: float, elapsed: float, step_s: float) -> None:
+        record = {
+            "step": step,
+            "loss": loss,
+            "tokens_per_s": rate,
+            "elapsed_s": elapsed,
+            "step_s": step_s,
+        }
+        with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as file:
+            file.write(json.dumps(record) + "\n")
+
+    def _summary(
+        self,
+        ranks: list[Any],
+        losses: list[float],
+        wall: float,
+        measured: int,
+        counts: CommCounts,
+        tokens_per_step: int,
+    ) -> RunSummary:
+        plan, single = predict(self.config, self.options, self.world)
+        per_rank = [predict(self.config, self.options, self.world, r)[0] for r in range(self.world)]
+        rank0 = ranks[0]
+        return RunSummary(
+            options=self.options.to_json(),
+            world_size=self.world,
+            device=self.device.type,
+            backend=self.backend,
+            parameters=self.parameters,
+            steps_run=len(losses),
+            first_loss=losses[0],
+            last_loss=losses[-1],
+            tokens_per_s=tokens_per_step * len(losses) / wall,
+            wall_s=wall,
+            measured_step=measured,
+            measured_steps=1,
+            ranks=[{k: v for k, v in r.items() if k not in ("step_s", "comm_s")} for r in ranks],
+            plan={
+                "params": plan.params,
+                "grads": plan.grads,
+                "optim": plan.optim,
+                "activations": plan.activations or 0,
+                "in_flight": plan.in_flight,
+                "peak": plan.peak,
+                "ranks": [
+                    {"rank": e.rank, "params": e.params, "grads": e.grads, "optim": e.optim}
+                    for e in per_rank
+                ],
+            },
+            unsharded={
+                "params": single.params,
+                "grads": single.grads,
+                "optim": single.optim,
+                "peak": single.peak,
+            },
+            comm_per_step=counts.as_dict(),
+            time={
+                "step_s": rank0["step_s"],
+                "comm_s": rank0["comm_s"],
+                "compute_s": max(0.0, rank0["step_s"] - rank0["comm_s"]),
+            },
+        )
+
+    @torch.no_grad()
+    def sample(self, length: int, prompt: str = "def ") -> str:
+        """``length`` generated characters after ``prompt`` (collective: every rank runs it)."""
+        if length <= 0:
+            return ""
+        generator = torch.Generator().manual_seed(self.options.seed)
+        tokens = self.corpus.encode(prompt)
+        for _ in range(length):
+            context = tokens[-self.config.seq_len :].unsqueeze(0).to(self.device)
+            logits = self.model(context)[0, -1].float().cpu()
+            probs = torch.softmax(logits / 0.8, dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)])
+        return self.corpus.decode(tokens)
+
+    def finish(self, summary: RunSummary) -> None:
+        """Rank 0: write summary.json, training.png and sample.txt; print the summary."""
+        from shard_cli._png import training_chart
+
+        text = self.sample(self.options.sample_chars)
+        if self.rank != 0:
+            return
+        (self.run_dir / "summary.json").write_text(
+            json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8"
+        )
+        records = [
+            json.loads(line)
+            for line in (self.run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+            if line
+        ]
+        png = training_chart(
+            [(r["step"], r["loss"]) for r in records],
+            [
+                (f"rank {r['rank']}", r["params"], r["grads"], r["optim"], r["peak"])
+                for r in summary.ranks
+            ],
+            title=f"shard train: {self.options.preset}, {self.world} ranks",
+        )
+        (self.run_dir / "training.png").write_bytes(png)
+        if text:
+            (self.run_dir / "sample.txt").write_text(text + "\n", encoding="utf-8")
+        for line in summary_lines(summary, sample=text):
+            print(line)
+        sys.stdout.flush()
+
+
+def _optim_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value
+        for state in optim.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def run_worker(options: TrainOptions) -> int:
+    """Run one rank of ``options``; the exit status for the process.
+
+    A collective that fails (another rank died) or an interrupt ends this
+    rank with a one-line message instead of a traceback; the launcher (or
+    ``torchrun``) stops the others.
+    """
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    run: _Run | None = None
+    try:
+        run = _Run(options)
+        run.prepare()
+        summary = run.train()
+        run.finish(summary)
+        dist.barrier()
+        return 0
+    except KeyboardInterrupt:
+        if run is not None and run.rank == 0:
+            print(f"\nshard train: interrupted during step {_step_of(run)}", flush=True)
+        return 130
+    except (RuntimeError, FloatingPointError, ValueError, ShardError) as exc:
+        rank = run.rank if run is not None else int(os.environ.get("RANK", "0"))
+        where = f" during step {_step_of(run)}" if run is not None else ""
+        print(
+            f"\nshard train: rank {rank} stopped{where}: {_first_sentence(exc)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+
+
+def _first_sentence(exc: BaseException) -> str:
+    """The start of an error's message (gloo's run on for several sentences)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    cut = text.find(". ")
+    return text[: cut + 1] if cut > 0 else text
+
+
+def _step_of(run: _Run) -> int:
+    return run.current_step or run.start

@@ -1,0 +1,116 @@
+"""The ``shard`` command line in this process: plan's output, argument errors, the gpt shim."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from shard_cli.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_plan_json_for_the_tiny_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json gives the units, the four strategies and one unsharded process."""
+    assert (
+        main(
+            [
+                "plan",
+                "--preset",
+                "tiny",
+                "--world-size",
+                "2",
+                "--batch",
+                "4",
+                "--seq",
+                "32",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert [u["name"] for u in report["units"]] == ["blocks.0", "blocks.1", ""]
+    assert list(report["strategies"]) == ["full", "grad-op", "no-shard", "hybrid"]
+    full, no_shard = report["strategies"]["full"], report["strategies"]["no-shard"]
+    assert no_shard["params"] == report["unsharded"]["params"] == 4 * report["parameters"]
+    assert full["params"] < no_shard["params"]
+    assert report["note"] == ""
+
+
+def test_plan_prints_a_tree_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """The text form: the root, its blocks folded into one line, one row per memory kind."""
+    assert main(["plan", "--preset", "gpt2", "--world-size", "64", "--strategy", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "  (root) [GPT]  77.983 M params, 297.5 MiB  (tok_emb.weight, pos_emb.weight" in out
+    assert "    blocks.0 .. blocks.11 (12x) [Block]  7.088 M params each" in out
+    assert "  peak (estimate)" in out
+
+
+def test_plan_of_a_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model module:factory plans any model; without an input no activations are counted."""
+    (tmp_path / "toy_models.py").write_text(
+        "from torch import nn\n\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--model", "toy_models:build", "--wrap-policy", "none", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == 8 * 8 + 8 + 8 * 2 + 2
+    assert report["note"].startswith("activations not estimated: no example input")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_plan_of_a_local_transformers_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A local config.json builds on the meta device; nothing is downloaded."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=64)
+    config.to_json_file(str(tmp_path / "config.json"))
+    assert main(["plan", "--hf-config", str(tmp_path), "--wrap-policy", "none", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["units"][0]["module_type"] == "GPT2LMHeadModel"
+    assert (report["batch"], report["seq"]) == (1, 64)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--hf-config", "gpt2"], "is neither a local config.json"),
+        (["plan", "--model", "nodots"], "write module:factory"),
+        (
+            ["plan", "--preset", "tiny", "--world-size", "6", "--shard-size", "4"],
+            "--shard-size 4 does not divide",
+        ),
+        (["train", "--steps", "0"], "--steps must be at least 1, got 0"),
+        (["train", "--wrap-policy", "bogus"], "--wrap-policy 'bogus' is not a registered"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Invalid input is one line on stderr and exit status 2, never a traceback."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_benchmark_shim_reexports_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/bench/gpt.py is a re-export of shard_cli.gpt: one copy of the code."""
+    import shard_cli.gpt
+
+    monkeypatch.syspath_prepend(str(ROOT / "tools" / "bench"))
+    monkeypatch.delitem(sys.modules, "gpt", raising=False)
+    import gpt  # type: ignore[import-not-found]
+
+    assert gpt.GPT is shard_cli.gpt.GPT
+    assert gpt.synthetic_tokens is shard_cli.gpt.synthetic_tokens

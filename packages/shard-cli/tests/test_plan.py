@@ -1,0 +1,143 @@
+"""``shard plan``'s arithmetic: units, exact per-rank bytes, and the simulated peak's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from shard_cli import PlanConfig, estimate_memory, plan_model_units, unsharded_memory
+from shard_cli._measure import state_bytes
+from shard_cli._shard import shard_layout, shard_model
+from shard_cli.gpt import GPT, GPTConfig
+from shard_runtime import ModuleWrapPolicy
+from shard_testing import RankPool
+
+
+class Toy(nn.Module):
+    """Two linears: 5x3 + 5 and 2x5 + 2 parameters (uneven over 3 ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(torch.relu(self.a(x)))
+        return out
+
+
+POLICY = ModuleWrapPolicy({nn.Linear})
+
+
+def test_units_of_the_tiny_gpt_are_its_blocks_then_the_root() -> None:
+    """Blocks become units in order, the root keeps embeddings, final norm and head."""
+    config = GPTConfig(vocab_size=90, d_model=64, n_heads=4, n_layers=2, seq_len=32)
+    with torch.device("meta"):
+        model = GPT(config)
+    units = plan_model_units(model, ModuleWrapPolicy({type(model.blocks[0])}))
+    assert [(u.name, u.module_type) for u in units] == [
+        ("blocks.0", "Block"),
+        ("blocks.1", "Block"),
+        ("", "GPT"),
+    ]
+    assert [p.name for p in units[2].params] == [
+        "tok_emb.weight",
+        "pos_emb.weight",
+        "ln_f.weight",
+        "ln_f.bias",
+        "head.weight",
+    ]
+    assert sum(u.numel for u in units) == sum(p.numel() for p in model.parameters())
+
+
+def test_fully_shard_bytes_per_rank_by_hand() -> None:
+    """3 ranks: padded dim-0 shards for parameters and gradients, local rows for AdamW."""
+    units = plan_model_units(Toy(), POLICY)
+    config = PlanConfig(world=3)
+    first = estimate_memory(units, config, rank=0)
+    last = estimate_memory(units, config, rank=2)
+    # a.weight 2 rows x 3, a.bias 2, b.weight 1 row x 5, b.bias 1: 14 elements, padded
+    assert (first.params, first.grads) == (56, 56)
+    assert (last.params, last.grads) == (56, 56)
+    # rank 0 owns 6 + 2 + 5 + 1 elements, rank 2 owns 3 + 1 + 0 + 0; 4 steps of 4 bytes
+    assert first.optim == 2 * 14 * 4 + 16
+    assert last.optim == 2 * 4 * 4 + 16
+
+
+def test_wrapper_bytes_per_rank_by_hand() -> None:
+    """3 ranks: each unit's flat buffer (20 and 12 elements) in ceil(numel / 3) pieces."""
+    units = plan_model_units(Toy(), POLICY)
+    estimate = estimate_memory(units, PlanConfig(frontend="wrapper", world=3), rank=1)
+    assert (estimate.params, estimate.grads) == ((7 + 4) * 4, (7 + 4) * 4)
+    assert estimate.optim == 2 * (7 + 4) * 4 + 2 * 4
+
+
+def _measure(frontend: str, strategy: str, shard_size: int | None) -> list[int]:
+    torch.manual_seed(0)
+    world = torch.distributed.get_world_size()
+    model, _ = shard_model(
+        Toy(),
+        frontend=frontend,  # type: ignore[arg-type]
+        strategy=strategy,  # type: ignore[arg-type]
+        layout=shard_layout(strategy, world, shard_size),  # type: ignore[arg-type]
+        precision="fp32",
+        cpu_offload=False,
+        policy=POLICY,
+        device=torch.device("cpu"),
+    )
+    optim = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()  # type: ignore[no-untyped-call]
+    optim.step()
+    held = state_bytes(model, optim)
+    return [held.params, held.grads, held.optim]
+
+
+@pytest.mark.parametrize(
+    ("frontend", "strategy", "shard_size"),
+    [
+        ("fully_shard", "full", None),
+        ("wrapper", "full", None),
+        ("fully_shard", "no-shard", None),
+        ("wrapper", "grad-op", None),
+    ],
+)
+def test_estimate_equals_what_three_ranks_hold(
+    rank_pool: RankPool, frontend: str, strategy: str, shard_size: int | None
+) -> None:
+    """Trained for a step on 3 gloo ranks, every rank holds exactly the bytes estimated."""
+    measured = rank_pool.run(_measure, 3, frontend, strategy, shard_size)
+    units = plan_model_units(Toy(), POLICY)
+    config: Any = PlanConfig(frontend=frontend, strategy=strategy, world=3)  # type: ignore[arg-type]
+    expected = [
+        [e.params, e.grads, e.optim]
+        for e in (estimate_memory(units, config, rank=r) for r in range(3))
+    ]
+    assert measured == expected
+
+
+def test_thousands_of_ranks_is_arithmetic() -> None:
+    """4096 ranks of GPT-2 XL: shards shrink, units in flight do not, no-shard is one process."""
+    config = GPTConfig(vocab_size=50257, d_model=1600, n_heads=25, n_layers=48, seq_len=1024)
+    with torch.device("meta"):
+        units = plan_model_units(GPT(config), ModuleWrapPolicy({type(GPT(config).blocks[0])}))
+    full = estimate_memory(units, PlanConfig(world=4096))
+    grad_op = estimate_memory(units, PlanConfig(world=4096, strategy="grad-op"))
+    no_shard = estimate_memory(units, PlanConfig(world=4096, strategy="no-shard"))
+    alone = unsharded_memory(units)
+    assert alone.params == 4 * sum(u.numel for u in units)
+    assert no_shard.params == alone.params
+    assert no_shard.optim == alone.optim
+    # dim-0 shards pad every small parameter (a 1600-element bias) to one row per rank
+    assert alone.params // 2300 < full.params < alone.params // 2000
+    assert full.in_flight < grad_op.in_flight
+    assert full.peak < grad_op.peak < no_shard.peak
+
+
+def test_hybrid_needs_a_shard_size_that_divides_the_world() -> None:
+    """A hybrid shard group that does not divide the world is an error saying so."""
+    units = plan_model_units(Toy(), POLICY)
+    with pytest.raises(ValueError, match=r"--shard-size 4 does not divide the world size 6"):
+        estimate_memory(units, PlanConfig(world=6, strategy="hybrid", shard_size=4))
