@@ -24,7 +24,7 @@ from shard_core.protocols import EventLike
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
 from shard_runtime._per_param import PerParamGroup
-from shard_runtime._state import ShardState, get_state
+from shard_runtime._state import ShardState, get_state, states_in
 from shard_runtime._unit import PostForwardGroup, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -135,12 +135,7 @@ class FSDPModule:
     def _states(self, recurse: bool) -> list[ShardState]:
         if not recurse:
             return [self._shard()]
-        states: list[ShardState] = []
-        for module in _as_module(self).modules():
-            state = get_state(module)
-            if state is not None and state not in states:
-                states.append(state)
-        return states
+        return states_in([_as_module(self)])
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         # ``.to()``, ``.float()``, ``to_empty()`` swap new local tensors into the
@@ -235,7 +230,7 @@ def fully_shard(
     shard_device = (
         torch.device("cpu") if type(offload_policy) is not OffloadPolicy else compute_device
     )
-    children = _inner_states(modules)
+    children = states_in(modules)
     managed = {id(p) for s in children for p in s.unit.group.registered_params()}
     label = _label(modules)
     params = _collect_params(modules, managed, ignored_params or set(), label)
@@ -400,16 +395,6 @@ def _post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:
     return get_device_handle(mesh.device_type).current_device()
-
-
-def _inner_states(modules: list[nn.Module]) -> list[ShardState]:
-    states: list[ShardState] = []
-    for top in modules:
-        for m in top.modules():
-            state = get_state(m)
-            if state is not None and state not in states:
-                states.append(state)
-    return states
 
 
 def _label(modules: list[nn.Module]) -> str:

@@ -23,7 +23,7 @@ has no root to report to, so it is an error.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -35,7 +35,7 @@ from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
-__all__ = ["BackwardPrefetchMode", "ShardState", "clean_fqn", "get_state"]
+__all__ = ["BackwardPrefetchMode", "ShardState", "clean_fqn", "get_state", "states_in"]
 
 _log = logging.getLogger("shard.runtime")
 
@@ -58,6 +58,17 @@ def get_state(module: nn.Module) -> ShardState | None:
     """The state of a module passed to ``fully_shard``, or ``None``."""
     state = module.__dict__.get(_STATE_ATTR)
     return state if isinstance(state, ShardState) else None
+
+
+def states_in(modules: Iterable[nn.Module]) -> list[ShardState]:
+    """Every state in the trees of ``modules``, each once, in module order."""
+    states: list[ShardState] = []
+    for top in modules:
+        for module in top.modules():
+            state = get_state(module)
+            if state is not None and state not in states:
+                states.append(state)
+    return states
 
 
 class ShardState:
@@ -132,12 +143,7 @@ class ShardState:
                 "module's forward first (it sets up the whole tree), then submodules may run "
                 "on their own"
             )
-        states: list[ShardState] = []
-        for top in self.modules:
-            for module in top.modules():
-                state = get_state(module)
-                if state is not None and state not in states:
-                    states.append(state)
+        states = states_in(self.modules)
         self.all_states = states
         self.name_inner_units()
         model_order = {

@@ -38,7 +38,7 @@ from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._param import ParamOwner
-from shard_runtime._state import WRAPPED_PREFIX, ShardState, clean_fqn, get_state
+from shard_runtime._state import WRAPPED_PREFIX, ShardState, clean_fqn, get_state, states_in
 from shard_runtime._unit import ShardedState, TrainingState, Unit
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
@@ -226,7 +226,7 @@ class FullyShardedDataParallel(nn.Module):
             cast_root_inputs=bool(mp and mp.cast_root_forward_inputs),
             limit_all_gathers=self.limit_all_gathers,
         )
-        for inner in _inner_states(module):
+        for inner in states_in([module]):
             if inner.parent is None:
                 inner.parent = state
         state.name_inner_units()
@@ -290,7 +290,7 @@ class FullyShardedDataParallel(nn.Module):
                 "FullyShardedDataParallel.no_sync() must be called on the root wrapper, "
                 f"not on the inner one around {type(self.module).__name__}"
             )
-        states = _tree_states(self)
+        states = states_in([self])
         saved = [s.unit.requires_gradient_sync for s in states]
         for s in states:
             s.unit.requires_gradient_sync = False
@@ -315,7 +315,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"register_comm_hook: expected a comm hook or a registered hook name, got "
                 f"{type(chosen).__name__}"
             )
-        for s in _tree_states(self):
+        for s in states_in([self]):
             if s.root is not None and s.unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("register_comm_hook: call it before training starts")
             s.unit.comm_hook = chosen
@@ -651,25 +651,12 @@ def _state(wrapper: FullyShardedDataParallel) -> ShardState:
     return state
 
 
-def _inner_states(module: nn.Module) -> list[ShardState]:
-    states: list[ShardState] = []
-    for m in module.modules():
-        state = get_state(m)
-        if state is not None and state not in states:
-            states.append(state)
-    return states
-
-
-def _tree_states(module: nn.Module) -> list[ShardState]:
-    return _inner_states(module)
-
-
 # ---------------------------------------------------------------------- gradient clipping
 
 
 def _clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
-    states = _tree_states(root)
+    states = states_in([root])
     sharded: list[torch.Tensor] = []
     seen: set[int] = set()
     shard_group: dist.ProcessGroup | None = None
@@ -727,7 +714,7 @@ def _summon(
             "parameters); pass writeback=False"
         )
     if recurse:
-        states = _tree_states(module)
+        states = states_in([module])
     else:
         own = get_state(module)
         states = [own] if own is not None else []
