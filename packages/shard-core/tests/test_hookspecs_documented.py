@@ -19,8 +19,13 @@ HOOKSPECS = sorted(
 
 
 def test_hookspecs_are_found() -> None:
-    """The check below sees the three hooks of the plugin registry (and cannot pass on none)."""
-    assert HOOKSPECS == ["shard_comm_hooks", "shard_device_handle", "shard_wrap_policies"]
+    """The check below sees the four hooks of the plugin registry (and cannot pass on none)."""
+    assert HOOKSPECS == [
+        "shard_comm_hooks",
+        "shard_device_handle",
+        "shard_state_dict_backend",
+        "shard_wrap_policies",
+    ]
 
 
 @pytest.mark.parametrize("name", HOOKSPECS)

@@ -33,6 +33,7 @@ from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
 from shard_checkpoint._options import StateDictOptions
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
+from shard_checkpoint._wrapper_backend import WrapperStateDictBackend, is_wrapper_model
 from shard_runtime import FSDPModule
 
 __all__ = [
@@ -41,6 +42,10 @@ __all__ = [
     "reshard_model",
     "set_model_state_dict",
 ]
+
+
+_WRAPPER = WrapperStateDictBackend()
+"""The state dicts of ``FullyShardedDataParallel`` models (the outermost wrapper)."""
 
 
 class IncompatibleKeys(NamedTuple):
@@ -74,7 +79,8 @@ def get_model_state_dict(
     """The model's state dict, keyed by qualified name.
 
     Args:
-        model: a model sharded by ``fully_shard`` (any part of it), or a plain model.
+        model: a model sharded by ``fully_shard`` (any part of it), an outermost
+            ``FullyShardedDataParallel`` (original names, same values), or a plain model.
         options: ``full_state_dict`` gathers sharded values into plain tensors
             (a collective: call it on every rank); ``cpu_offload`` moves values
             to the CPU and, with ``full_state_dict``, leaves every rank but 0
@@ -85,6 +91,13 @@ def get_model_state_dict(
         otherwise (buffers, unsharded parameters, every value when full).
     """
     options = options or StateDictOptions()
+    if is_wrapper_model(model):
+        return _WRAPPER.model_state_dict(
+            model,
+            "FULL_STATE_DICT" if options.full_state_dict else "SHARDED_STATE_DICT",
+            offload_to_cpu=options.cpu_offload,
+            rank0_only=options.cpu_offload,
+        )
     reshard_model(model)
     state = model.state_dict()
     if not options.full_state_dict:
@@ -132,6 +145,16 @@ def set_model_state_dict(
             value whose shape differs from the model's.
     """
     options = options or StateDictOptions()
+    if is_wrapper_model(model):
+        if options.broadcast_from_rank0:
+            raise StateDictError(
+                "set_model_state_dict: broadcast_from_rank0 is not supported for "
+                "FullyShardedDataParallel models yet; pass the full state dict on every rank"
+            )
+        missing, unexpected = _WRAPPER.load_model_state_dict(
+            model, state_dict, "FULL_STATE_DICT", strict=options.strict
+        )
+        return IncompatibleKeys(missing_keys=missing, unexpected_keys=unexpected)
     reshard_model(model)
     targets = model.state_dict(keep_vars=True)
     if options.broadcast_from_rank0:

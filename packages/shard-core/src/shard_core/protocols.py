@@ -5,6 +5,8 @@ about the layers above it is written down here as a structural type: a wrap
 policy decides which submodules become units, a comm hook reduces a unit's
 gradient through a reducer the communication layer hands it, and a device
 handle hides one device type's streams, events and memory statistics.
+A state-dict backend gives the wrapper front end its model state dicts,
+which live in a higher layer (shard-checkpoint).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "DeviceHandle",
     "EventLike",
     "GradReducer",
+    "StateDictBackend",
     "StreamLike",
     "WrapDecision",
     "WrapPolicy",
@@ -252,4 +255,41 @@ class DeviceHandle(Protocol):
 
     def reset_peak_memory_stats(self) -> None:
         """Start a new peak measurement."""
+        ...
+
+
+# ---------------------------------------------------------------------------
+# State dicts of the wrapper front end
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class StateDictBackend(Protocol):
+    """Builds and loads the model state dicts of ``FullyShardedDataParallel``.
+
+    ``state_dict_type`` is the name of a ``shard_runtime.StateDictType``
+    member (``"FULL_STATE_DICT"``, ``"SHARDED_STATE_DICT"``); the wrapper
+    passes the options of its state-dict config as keyword arguments.
+    """
+
+    def model_state_dict(
+        self,
+        module: nn.Module,
+        state_dict_type: str,
+        *,
+        offload_to_cpu: bool,
+        rank0_only: bool,
+    ) -> dict[str, Any]:
+        """``module``'s state dict of that type, keyed by the original parameter names."""
+        ...
+
+    def load_model_state_dict(
+        self,
+        module: nn.Module,
+        state_dict: Mapping[str, Any],
+        state_dict_type: str,
+        *,
+        strict: bool,
+    ) -> tuple[list[str], list[str]]:
+        """Load ``state_dict`` into ``module``'s shards; return (missing, unexpected) keys."""
         ...

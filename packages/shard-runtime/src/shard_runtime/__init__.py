@@ -14,6 +14,18 @@ from shard_runtime._fully_shard import (
     register_fsdp_forward_method,
 )
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shard_runtime._state_dict_type import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from shard_runtime._version import __version__
 from shard_runtime._wrap import WrapPolicyLike, apply_wrap_policy, plan_units, resolve_wrap_policy
 from shard_runtime._wrapper import FullyShardedDataParallel
@@ -30,12 +42,22 @@ __all__ = [
     "CPUOffloadPolicy",
     "CustomPolicy",
     "FSDPModule",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
     "MixedPrecision",
     "MixedPrecisionPolicy",
     "ModuleWrapPolicy",
     "OffloadPolicy",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
     "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
     "UnshardHandle",
     "WrapPolicyLike",
     "__version__",

@@ -23,7 +23,7 @@ import math
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,6 +39,12 @@ from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._param import ParamOwner
 from shard_runtime._state import WRAPPED_PREFIX, ShardState, clean_fqn, get_state, states_in
+from shard_runtime._state_dict_type import (
+    OptimStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from shard_runtime._unit import ShardedState, TrainingState, Unit
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
@@ -172,6 +178,7 @@ class FullyShardedDataParallel(nn.Module):
             }
             _auto_wrap(module, auto_wrap_policy, mixed_precision, options, _shared)
         self._fsdp_wrapped_module = module
+        self._state_dict_settings = StateDictSettings.of(StateDictType.LOCAL_STATE_DICT)
         self._init_unit()
 
     # ------------------------------------------------------------------ construction
@@ -278,6 +285,107 @@ class FullyShardedDataParallel(nn.Module):
         result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         state.unit.reset_after_apply()
         return result
+
+    # ------------------------------------------------------------------ state dicts
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's state dict of the type set on it (see :meth:`state_dict_type`).
+
+        ``LOCAL_STATE_DICT`` (the default): what this rank holds, no
+        communication. ``FULL_STATE_DICT`` and ``SHARDED_STATE_DICT`` (the
+        root wrapper only; a collective) come from shard-checkpoint through
+        the plugin registry.
+        """
+        settings = self._state_dict_settings
+        if not self._serves_state_dict(args, kwargs.get("prefix", "")):
+            return super().state_dict(*args, **kwargs)
+        config = settings.state_dict_config
+        backend = get_registry().state_dict_backend()
+        result = backend.model_state_dict(
+            self,
+            settings.state_dict_type.name,
+            offload_to_cpu=config.offload_to_cpu,
+            rank0_only=bool(getattr(config, "rank0_only", False)),
+        )
+        destination = kwargs.get("destination")
+        if destination is None:
+            return result
+        destination.update(result)
+        return destination
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load a state dict of the type set on the model (see :meth:`state_dict`)."""
+        if not self._serves_state_dict((), ""):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        backend = get_registry().state_dict_backend()
+        missing, unexpected = backend.load_model_state_dict(
+            self, state_dict, self._state_dict_settings.state_dict_type.name, strict=strict
+        )
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _serves_state_dict(self, args: tuple[Any, ...], prefix: str) -> bool:
+        """Whether this call is the root's full or sharded one (not LOCAL, not nested)."""
+        return (
+            self._state_dict_settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT
+            and not args
+            and not prefix
+            and _state(self).parent is None
+        )
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Set the state-dict type of every wrapper in ``module``'s tree; return the old one."""
+        settings = StateDictSettings.of(state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        for wrapper in FullyShardedDataParallel.fsdp_modules(module):
+            wrapper._state_dict_settings = settings
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict type set on ``module``'s wrappers.
+
+        Raises:
+            ValueError: ``module`` holds no wrapper, or its wrappers disagree.
+        """
+        wrappers = FullyShardedDataParallel.fsdp_modules(module)
+        if not wrappers:
+            raise ValueError(
+                f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel; "
+                "pass a wrapped model"
+            )
+        settings = wrappers[0]._state_dict_settings
+        if any(w._state_dict_settings != settings for w in wrappers):
+            raise ValueError(
+                "get_state_dict_type: the wrappers of this model have different state-dict "
+                "types; set one for the whole model with set_state_dict_type(model, ...)"
+            )
+        return settings
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> Iterator[None]:
+        """Use ``state_dict_type`` for ``module``'s state dicts inside the block."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            for wrapper in FullyShardedDataParallel.fsdp_modules(module):
+                wrapper._state_dict_settings = previous
 
     # ------------------------------------------------------------------ training controls
 

@@ -26,7 +26,7 @@ from shard_core.errors import (
     UnknownPluginNameError,
 )
 from shard_core.plugin._manager import ENV_DISABLE, ShardPluginManager, describe_plugin, logger
-from shard_core.protocols import CommHook, DeviceHandle, WrapPolicy
+from shard_core.protocols import CommHook, DeviceHandle, StateDictBackend, WrapPolicy
 
 __all__ = ["Registry"]
 
@@ -170,6 +170,37 @@ class Registry:
                 self._device_handles[device_type] = answer
                 return answer
         raise UnknownPluginNameError(self._no_device_message(device_type))
+
+    # - state dicts of the wrapper
+
+    def state_dict_backend(self) -> StateDictBackend:
+        """The state-dict backend of the first plugin that provides one (shard-checkpoint).
+
+        A plugin whose answer is not a :class:`~shard_core.protocols.StateDictBackend`
+        is reported and the next one is asked.
+
+        Raises:
+            UnknownPluginNameError: no plugin provides one; the message says to
+                install shard-checkpoint.
+        """
+        with self._lock:
+            self._forget_if_plugins_changed()
+            for name, answer in self._answers("shard_state_dict_backend"):
+                if not isinstance(answer, StateDictBackend):
+                    self._warn_malformed(
+                        name,
+                        "shard_state_dict_backend",
+                        f"{type(answer).__name__} is not a StateDictBackend (see "
+                        "shard_core.protocols: model_state_dict, load_model_state_dict)",
+                    )
+                    continue
+                return answer
+        raise UnknownPluginNameError(
+            "no shard plugin provides the state dicts of FullyShardedDataParallel (full and "
+            f"sharded); plugins asked: {', '.join(self.plugin_names())}. Install "
+            "shard-checkpoint (pip install shard-checkpoint), or use "
+            "StateDictType.LOCAL_STATE_DICT, which needs no plugin"
+        )
 
     # - internals
 

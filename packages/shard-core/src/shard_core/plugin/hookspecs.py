@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 
 import pluggy
 
-from shard_core.protocols import CommHook, DeviceHandle, WrapPolicy
+from shard_core.protocols import CommHook, DeviceHandle, StateDictBackend, WrapPolicy
 
 __all__ = [
     "PROJECT_NAME",
@@ -26,6 +26,7 @@ __all__ = [
     "hookspec",
     "shard_comm_hooks",
     "shard_device_handle",
+    "shard_state_dict_backend",
     "shard_wrap_policies",
 ]
 
@@ -68,5 +69,17 @@ def shard_device_handle(device_type: str) -> DeviceHandle | None:
     built-in CPU handle. An answer that is not a ``DeviceHandle`` whose
     ``device_type`` is the one asked for is skipped with a warning, and the
     next plugin is asked.
+    """
+    raise NotImplementedError
+
+
+@hookspec(firstresult=True)
+def shard_state_dict_backend() -> StateDictBackend | None:
+    """Return the :class:`~shard_core.protocols.StateDictBackend` of the wrapper front end.
+
+    ``FullyShardedDataParallel.state_dict()`` and ``load_state_dict()`` reach
+    the full and sharded state dicts through it (shard-checkpoint answers).
+    The first non-``None`` answer that is a ``StateDictBackend`` wins; a
+    malformed one is skipped with a warning and the next plugin is asked.
     """
     raise NotImplementedError

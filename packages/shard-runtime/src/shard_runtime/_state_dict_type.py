@@ -1,0 +1,173 @@
+"""Which state dict ``FullyShardedDataParallel.state_dict()`` returns, with PyTorch's names.
+
+The type and its config are set on every wrapper of a model
+(``FullyShardedDataParallel.set_state_dict_type`` or the
+``state_dict_type`` context manager); the root wrapper's ``state_dict()``
+and ``load_state_dict()`` honour them. Full and sharded state dicts are
+built by shard-checkpoint, reached through the plugin registry.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = [
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "OptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]
+
+
+class StateDictType(enum.Enum):
+    """The kinds of model state dict of ``FullyShardedDataParallel``.
+
+    ``FULL_STATE_DICT``: original names, full plain tensors, gathered unit by
+    unit. ``LOCAL_STATE_DICT``: what each rank holds as it is (the flat
+    shards), no communication. ``SHARDED_STATE_DICT``: original names, each
+    parameter a ``Shard(0)`` DTensor cut like ``torch.chunk``.
+    """
+
+    FULL_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclass(frozen=True)
+class StateDictConfig:
+    """Options shared by every state-dict type.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU.
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig(StateDictConfig):
+    """Options of ``FULL_STATE_DICT``.
+
+    Attributes:
+        offload_to_cpu: gather each unit onto the CPU.
+        rank0_only: only rank 0 keeps the values; every other rank gets ``{}``.
+    """
+
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig(StateDictConfig):
+    """Options of ``LOCAL_STATE_DICT``.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU.
+    """
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig(StateDictConfig):
+    """Options of ``SHARDED_STATE_DICT``.
+
+    Attributes:
+        offload_to_cpu: the DTensors' local tensors on the CPU.
+    """
+
+
+@dataclass(frozen=True)
+class OptimStateDictConfig:
+    """Options shared by every optimizer state-dict type.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU.
+    """
+
+    offload_to_cpu: bool = True
+
+
+@dataclass(frozen=True)
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Options of full optimizer state dicts.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU.
+        rank0_only: only rank 0 keeps the values.
+    """
+
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Options of local optimizer state dicts.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU (``False`` here, as in PyTorch).
+    """
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Options of sharded optimizer state dicts.
+
+    Attributes:
+        offload_to_cpu: move the values to the CPU.
+    """
+
+
+_DEFAULT_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+}
+
+
+@dataclass(frozen=True)
+class StateDictSettings:
+    """The state-dict type of a model and its configs.
+
+    Attributes:
+        state_dict_type: the kind of model state dict.
+        state_dict_config: its options (the type's default config when not given).
+        optim_state_dict_config: the optimizer state dict's options.
+    """
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig = field(default_factory=StateDictConfig)
+    optim_state_dict_config: OptimStateDictConfig = field(default_factory=OptimStateDictConfig)
+
+    @classmethod
+    def of(
+        cls,
+        state_dict_type: StateDictType,
+        state_dict_config: StateDictConfig | None = None,
+        optim_state_dict_config: OptimStateDictConfig | None = None,
+    ) -> StateDictSettings:
+        """Settings for ``state_dict_type``, checking that each config is of its kind."""
+        if not isinstance(state_dict_type, StateDictType):
+            raise TypeError(
+                f"state_dict_type must be a StateDictType, got {state_dict_type!r}; use "
+                "StateDictType.FULL_STATE_DICT, LOCAL_STATE_DICT or SHARDED_STATE_DICT"
+            )
+        config_cls, optim_cls = _DEFAULT_CONFIGS[state_dict_type]
+        config = state_dict_config if state_dict_config is not None else config_cls()
+        optim = optim_state_dict_config if optim_state_dict_config is not None else optim_cls()
+        if type(config) is not config_cls:
+            raise ValueError(
+                f"{state_dict_type.name} takes a {config_cls.__name__}, got {type(config).__name__}"
+            )
+        if type(optim) is not optim_cls:
+            raise ValueError(
+                f"{state_dict_type.name} takes a {optim_cls.__name__} as its optimizer config, "
+                f"got {type(optim).__name__}"
+            )
+        return cls(state_dict_type, config, optim)
