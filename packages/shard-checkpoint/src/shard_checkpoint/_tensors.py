@@ -9,20 +9,13 @@ what :func:`local_chunk` cuts out of a full tensor without communication.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_checkpoint._errors import StateDictError
-from shard_core import dim0_chunk_range
+from shard_core import contiguous_stride, dim0_chunk_range
 
 __all__ = ["contiguous_stride", "full_value", "local_chunk", "same_layout", "shard_like", "to_cpu"]
-
-
-def contiguous_stride(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """Strides of a contiguous tensor of ``shape``."""
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:

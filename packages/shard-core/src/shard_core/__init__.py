@@ -4,6 +4,7 @@ from shard_core._cpu import CpuDeviceHandle
 from shard_core._dim0 import (
     PackedDim0Layout,
     chunk_dim0,
+    contiguous_stride,
     dim0_chunk_range,
     dim0_chunk_sizes,
     pad_dim0,
@@ -40,6 +41,7 @@ __all__ = [
     "WrapTarget",
     "__version__",
     "chunk_dim0",
+    "contiguous_stride",
     "dim0_chunk_range",
     "dim0_chunk_sizes",
     "get_plugin_manager",

@@ -31,6 +31,7 @@ from shard_core.errors import LayoutError
 __all__ = [
     "PackedDim0Layout",
     "chunk_dim0",
+    "contiguous_stride",
     "dim0_chunk_range",
     "dim0_chunk_sizes",
     "pad_dim0",
@@ -64,6 +65,11 @@ __all__ = [
 def _check_dim0(dim0: int) -> None:
     if not isinstance(dim0, int) or isinstance(dim0, bool) or dim0 < 0:
         raise LayoutError(f"dim0 must be an integer >= 0 (a number of rows), got {dim0!r}")
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape`` (what a full parameter's DTensor declares)."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def padded_dim0_size(dim0: int, world_size: int) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from shard_comms import get_device_handle
-from shard_core.protocols import DeviceHandle, EventLike, StreamLike
+from shard_core.protocols import DeviceHandle, StreamLike
 
 __all__ = ["CommStreams", "streams_for"]
 
@@ -42,10 +42,6 @@ class CommStreams:
     def current(self) -> StreamLike:
         """The compute stream."""
         return self.handle.current_stream()
-
-    def record(self, stream: StreamLike) -> EventLike:
-        """An event at the current end of ``stream``."""
-        return stream.record_event()
 
 
 _STREAMS: dict[str, CommStreams] = {}

@@ -149,7 +149,7 @@ class FlatParamGroup:
         return [self.flat_param, *params] if self.flat_param is not None else params
 
     def set_label(self, label: str) -> None:
-        self.label = label
+        pass  # the flat unit's messages name its parameters, which keep their own names
 
     def meta_fqns(self) -> list[str]:
         return self.fqns if self.shard.device.type == "meta" else []
@@ -179,7 +179,7 @@ class FlatParamGroup:
         """Adopt what ``module._apply`` did to the shard (a new dtype or device)."""
         if self.layout is None:
             return
-        current = self.flat_param if self.flat_param is not None else None
+        current = self.flat_param
         if current is not None and current.data.data_ptr() != self.shard.data_ptr():
             self.shard = current.data
             self._register_placeholders()  # in the new dtype

@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from shard_core import contiguous_stride
+
 __all__ = ["ParamOwner", "ShardedParam"]
 
 
@@ -230,21 +232,12 @@ class ShardedParam:
                     self.placements,
                     run_check=False,
                     shape=self.full_shape,
-                    stride=_contiguous_stride(self.full_shape),
+                    stride=contiguous_stride(self.full_shape),
                 )
         else:
             grad_local = grad.to_local()  # type: ignore[attr-defined]
             assert isinstance(grad_local, torch.Tensor)
             grad_local.add_(local_grad)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride: list[int] = []
-    running = 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= size
-    return tuple(reversed(stride))
 
 
 def _make_sharded_param(
@@ -260,6 +253,6 @@ def _make_sharded_param(
         placements,
         run_check=False,
         shape=full_shape,
-        stride=_contiguous_stride(full_shape),
+        stride=contiguous_stride(full_shape),
     )
     return nn.Parameter(dtensor, requires_grad=requires_grad)
