@@ -1,13 +1,14 @@
 """Full state dicts cost a rank one full tensor at a time, never the full model.
 
 The model is sixteen 1024x1024 fp32 linear layers (64 MiB, 4 MiB each) sharded
-over 2 ranks (32 MiB of shards each). A rank measures the growth of its peak
-resident set size during one call: rank 1 while gathering a rank-0-only full
-state dict, and while loading a full state dict that only rank 0 holds
-(``broadcast_from_rank0``). Both must stay under half the model's size;
-gathering a full state dict on every rank is the control, which does grow by
-the whole model. Consolidating a checkpoint of the model into one file, in
-one process, must stay under half the checkpoint's size.
+over 2 ranks (32 MiB of shards each), one unit per layer, by either front end.
+A rank measures the growth of its peak resident set size during one call: rank
+1 while gathering a rank-0-only full state dict, and while loading a full state
+dict that only rank 0 holds (``broadcast_from_rank0``). Both must stay under
+half the model's size; gathering a full state dict on every rank is the
+control, which does grow by the whole model. Consolidating a checkpoint of the
+model into one file, in one process, must stay under half the checkpoint's
+size.
 
 So that the allocator cannot hide an allocation in memory it kept from
 earlier frees, freed heap memory is returned to the OS before each
@@ -40,7 +41,8 @@ from shard_checkpoint import (
     set_model_state_dict,
 )
 from shard_checkpoint._safetensors import read_safetensors
-from shard_runtime import fully_shard
+from shard_runtime import FullyShardedDataParallel as FSDP
+from shard_runtime import ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
 
 LAYERS, WIDTH = 16, 1024
@@ -71,14 +73,18 @@ class Stack(nn.Module):
         return x
 
 
-def _sharded(*, zeroed: bool = False) -> Stack:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = Stack()
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+def _sharded(front_end: str = "fully_shard", *, zeroed: bool = False) -> nn.Module:
+    """The stack sharded per layer by ``fully_shard`` or by the wrapper (a unit per layer)."""
+    model: nn.Module = Stack()
+    if front_end == "wrapper":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.layers:  # type: ignore[union-attr]
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     if zeroed:
-        with torch.no_grad():
+        with torch.no_grad(), FSDP.summon_full_params(model):
             for param in model.parameters():
                 param.zero_()
     return model
@@ -115,21 +121,23 @@ def _status_bytes(field: str) -> int:
     raise AssertionError(f"no {field} in {_STATUS}")
 
 
-def _tiny() -> nn.Module:
+def _tiny(front_end: str = "fully_shard") -> nn.Module:
     """A small sharded model to make each measured call on first.
 
     That first call pays the one-time costs (lazy imports, caches), which are
     no part of what a state dict costs.
     """
-    model = nn.Sequential(nn.Linear(4, 4))
+    model: nn.Module = nn.Sequential(nn.Linear(4, 4))
+    if front_end == "wrapper":
+        return FSDP(model)
     fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     return model
 
 
-def _gather(cpu_offload: bool) -> tuple[int, int]:
-    model = _sharded()
+def _gather(cpu_offload: bool, front_end: str = "fully_shard") -> tuple[int, int]:
+    model = _sharded(front_end)
     options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
-    get_model_state_dict(_tiny(), options=options)
+    get_model_state_dict(_tiny(front_end), options=options)
     meter = PeakMeter()
     meter.start()
     state = get_model_state_dict(model, options=options)
@@ -140,14 +148,13 @@ def _gather(cpu_offload: bool) -> tuple[int, int]:
     return growth, len(state)
 
 
-def _broadcast_load() -> tuple[int, bool]:
+def _broadcast_load(front_end: str) -> tuple[int, bool]:
     source: dict[str, Any] = Stack().state_dict() if dist.get_rank() == 0 else {}
-    model = _sharded(zeroed=True)
+    model = _sharded(front_end, zeroed=True)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    tiny = _tiny()
-    set_model_state_dict(
-        tiny, {k: v.full_tensor() for k, v in tiny.state_dict().items()}, options=options
-    )
+    tiny = _tiny(front_end)
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(tiny, get_model_state_dict(tiny, options=full), options=options)
     meter = PeakMeter()
     meter.start()
     set_model_state_dict(model, source, options=options)
@@ -157,11 +164,17 @@ def _broadcast_load() -> tuple[int, bool]:
     return growth, all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
-def test_rank0_only_full_state_dict_costs_other_ranks_one_tensor(rank_pool: RankPool) -> None:
+@pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
+def test_rank0_only_full_state_dict_costs_other_ranks_one_tensor(
+    rank_pool: RankPool, front_end: str
+) -> None:
     """With cpu_offload, rank 1 gets {} and its peak grows by well under the model's size."""
-    (_, rank0_keys), (growth, rank1_keys) = rank_pool.run(_gather, 2, True)
+    (_, rank0_keys), (growth, rank1_keys) = rank_pool.run(_gather, 2, True, front_end)
     assert (rank0_keys, rank1_keys) == (LAYERS, 0)
-    print(f"rank-0-only full state dict: rank 1 peak +{growth / MIB:.1f} MiB (model 64 MiB)")
+    print(
+        f"rank-0-only full state dict ({front_end}): rank 1 peak +{growth / MIB:.1f} MiB "
+        "(model 64 MiB)"
+    )
     assert growth < MODEL_BYTES / 2
 
 
@@ -172,12 +185,18 @@ def test_full_state_dict_on_every_rank_costs_the_model(rank_pool: RankPool) -> N
         assert growth > 0.9 * MODEL_BYTES
 
 
-def test_broadcast_from_rank0_costs_other_ranks_one_tensor(rank_pool: RankPool) -> None:
+@pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
+def test_broadcast_from_rank0_costs_other_ranks_one_tensor(
+    rank_pool: RankPool, front_end: str
+) -> None:
     """Loading rank 0's full state dict grows rank 1's peak by well under the model's size."""
-    results = rank_pool.run(_broadcast_load, 2)
+    results = rank_pool.run(_broadcast_load, 2, front_end)
     assert [loaded for _, loaded in results] == [True, True]
     growth = results[1][0]
-    print(f"broadcast_from_rank0 load: rank 1 peak +{growth / MIB:.1f} MiB (model 64 MiB)")
+    print(
+        f"broadcast_from_rank0 load ({front_end}): rank 1 peak +{growth / MIB:.1f} MiB "
+        "(model 64 MiB)"
+    )
     assert growth < MODEL_BYTES / 2
 
 

@@ -24,6 +24,7 @@ from shard_runtime import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
+    StateDictType,
     fully_shard,
 )
 from shard_testing import RankPool
@@ -274,13 +275,17 @@ def test_orig_params_are_1d_pieces_of_the_aligned_flat_shard(rank_pool: RankPool
 
 def _names(use_orig_params: bool) -> dict[str, Any]:
     model = _toynet(use_orig_params=use_orig_params)
-    state = model.state_dict()
-    reloaded = _error(lambda: model.load_state_dict(state))
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        state = model.state_dict()
+        reloaded = _error(lambda: model.load_state_dict(state))
     return {
         "named_parameters": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
         "values": {n: p.detach().clone() for n, p in model.named_parameters()},
         "parameters": [tuple(p.shape) for p in model.parameters()],
-        "state_dict": {k: tuple(v.shape) for k, v in state.items()},
+        "state_dict": {
+            k: (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape))
+            for k, v in state.items()
+        },
         "load_state_dict": reloaded,
     }
 
@@ -289,13 +294,16 @@ FLAT_NAMES = ["_flat_param", "blocks.0._flat_param", "blocks.1._flat_param", "bl
 
 
 def test_flat_parameters_are_named_without_internal_prefixes(rank_pool: RankPool) -> None:
-    """use_orig_params=False: parameters() are the flat shards, named as their wrappers are."""
+    """use_orig_params=False: parameters() and LOCAL state dicts are the flat shards, named as
+    their wrappers are (padded global size in the LOCAL DTensors)."""
     for result in rank_pool.run(_names, 2, False):
         # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
         expected = list(zip(FLAT_NAMES, [(52,), (226,), (226,), (226,)], strict=True))
         assert result["named_parameters"] == expected
         assert result["parameters"] == [shape for _, shape in expected]
-        assert result["state_dict"] == dict(expected)
+        assert result["state_dict"] == {
+            name: ("DTensor", (2 * n,), (n,)) for name, (n,) in expected
+        }
         assert result["load_state_dict"] == "no error"
 
 
@@ -306,7 +314,7 @@ def test_orig_parameters_keep_their_names_as_1d_local_pieces(rank_pool: RankPool
     for result in (rank0, rank1):
         assert [n for n, _ in result["named_parameters"]] == PARAM_NAMES
         assert all(len(shape) == 1 for _, shape in result["named_parameters"])
-        assert list(result["state_dict"]) == PARAM_NAMES
+        assert list(result["state_dict"]) == FLAT_NAMES  # LOCAL: the flat shards, either way
         assert result["load_state_dict"] == "no error"
     for name, param in ref.items():
         joined = torch.cat([rank0["values"][name], rank1["values"][name]])

@@ -43,7 +43,7 @@ def _full(use_orig_params: bool) -> dict[str, Any]:
         "full": full,
         "rank0_only": {k: v.device.type for k, v in rank0_only.items()},
         "after": FSDP.get_state_dict_type(model).state_dict_type,
-        "local_keys": list(model.state_dict()),
+        "default_keys": list(model.state_dict()),
     }
 
 
@@ -51,15 +51,15 @@ def _full(use_orig_params: bool) -> dict[str, Any]:
 def test_full_state_dict_equals_the_plain_models(
     rank_pool: RankPool, use_orig_params: bool
 ) -> None:
-    """FULL gives the plain model's keys and exact values on every rank; rank0_only leaves {}."""
+    """FULL (the default) gives the plain model's keys and values on every rank; rank0_only: {}."""
     expected = _plain()
     rank0, rank1 = rank_pool.run(_full, 2, use_orig_params)
     for result in (rank0, rank1):
         assert list(result["full"]) == list(expected)
         for key, value in expected.items():
             torch.testing.assert_close(result["full"][key], value, rtol=0, atol=0)
-        assert result["after"] is StateDictType.LOCAL_STATE_DICT
-        assert not any("_fsdp_wrapped_module" in k for k in result["local_keys"])
+        assert result["after"] is FULL  # PyTorch's default
+        assert result["default_keys"] == list(expected)
     assert rank0["rank0_only"] == dict.fromkeys(expected, "cpu")
     assert rank1["rank0_only"] == {}
 
@@ -139,8 +139,8 @@ def test_full_load_names_the_missing_key(rank_pool: RankPool) -> None:
     for result in rank_pool.run(_strict_error, 2):
         assert result == (
             "StateDictError: FullyShardedDataParallel.load_state_dict: the state dict has no "
-            "value for 'head.bias' (1 missing, 0 unexpected keys); load a state dict of this "
-            "model, or pass strict=False"
+            "value for 'head.bias' (1 of the model's 16 keys are missing); load a state dict "
+            "of this model, or pass strict=False to load the keys it has"
         )
 
 

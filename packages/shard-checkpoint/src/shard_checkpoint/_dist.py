@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from shard_comms import broadcast
 
-__all__ = ["broadcast_object", "broadcast_tensor", "is_distributed", "rank", "world_size"]
+__all__ = [
+    "all_gather_objects",
+    "broadcast_object",
+    "broadcast_tensor",
+    "is_distributed",
+    "rank",
+    "world_size",
+]
 
 T = TypeVar("T")
 
@@ -53,3 +60,12 @@ def broadcast_tensor(
     if is_distributed(group):
         broadcast(tensor, src=0, group=group, label=label)
     return tensor
+
+
+def all_gather_objects(obj: T, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Every rank's ``obj``, in rank order (picklable objects only)."""
+    if not is_distributed(group):
+        return [obj]
+    out: list[object] = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out  # type: ignore[return-value]

@@ -1,51 +1,77 @@
-"""Model state dicts of sharded models: sharded (DTensor shards) or full (plain tensors).
+"""Model state dicts of sharded models: sharded (DTensor shards), full (plain tensors) or local.
 
-Keys are the model's own qualified names (``fully_shard`` changes a module's
-class, never its structure). A sharded state dict is what
-``model.state_dict()`` holds between steps, the parameters' DTensor shards,
-with no communication. A full one gathers each sharded value on its own,
-``full_tensor()`` one parameter after another, so a rank holds at most one
-gathered tensor beyond what it keeps; with ``cpu_offload`` only rank 0 keeps
-them.
+Keys are the unwrapped model's qualified names, whoever sharded it:
+``fully_shard`` changes a module's class, never its structure, and its
+parameters are DTensors already; ``FullyShardedDataParallel`` units hold
+flat shards, turned into per-parameter values one unit at a time
+(``_flat.py``). A model may mix both front ends (``fully_shard`` over
+wrapped blocks). A sharded state dict holds each parameter as a ``Shard(0)``
+DTensor cut like ``torch.chunk``; a full one gathers each value on its own,
+so a rank holds at most one unit's (or one tensor's) gathered values beyond
+what it keeps; with ``cpu_offload`` only rank 0 keeps them. A local one
+(the wrapper's ``LOCAL_STATE_DICT``) holds each wrapper unit's flat shard as
+it is, under ``<wrapper>._flat_param``.
 
 [Note: loading one tensor at a time]
-``set_model_state_dict`` never builds the full model on a rank that does not
-already have it. A full value that every rank holds is cut into this rank's
-rows as a view (no copy) and copied into the parameter's shard by
-``model.load_state_dict`` (which keeps module hooks, extra state and
-``strict`` semantics). With ``broadcast_from_rank0`` rank 0 first broadcasts
-the list of keys, shapes and dtypes; then, key after key, each rank receives
-one full tensor, copies its rows straight into the parameter's shard and
-drops it before the next broadcast: one full tensor beyond the shards.
+Loading never builds the full model on a rank that does not already have it.
+A full value that every rank holds is cut into this rank's rows as a view (no
+copy) and copied into the parameter's shard; a wrapper unit's shard is
+written from its parameters' full values, one unit at a time, without
+communication. With ``broadcast_from_rank0`` rank 0 first broadcasts the list
+of keys, shapes and dtypes; then, key after key (unit after unit for the
+wrapper), each rank receives the full tensors, copies its rows into its
+shards and drops them before the next: one unit or tensor beyond the shards.
 """
 
 from __future__ import annotations
 
+import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
+from shard_checkpoint._flat import (
+    FLAT_PARAM,
+    chunk_of,
+    flat_key,
+    gather_full,
+    local_flat,
+    write_shard,
+)
 from shard_checkpoint._options import StateDictOptions
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
-from shard_checkpoint._wrapper_backend import WrapperStateDictBackend, is_wrapper_model
-from shard_runtime import FSDPModule
+from shard_runtime import FlatUnit, FSDPModule, clean_fqn, flat_units, original_buffer_dtypes
 
 __all__ = [
     "IncompatibleKeys",
+    "Kind",
+    "TensorSpec",
     "get_model_state_dict",
+    "in_module_order",
+    "load_model_state_dict",
+    "model_state_dict",
+    "plain_entries",
     "reshard_model",
     "set_model_state_dict",
 ]
 
 
-_WRAPPER = WrapperStateDictBackend()
-"""The state dicts of ``FullyShardedDataParallel`` models (the outermost wrapper)."""
+class Kind(enum.Enum):
+    """The form of a model state dict (``StateDictType`` without the runtime import)."""
+
+    # Plain full tensors.
+    FULL = enum.auto()
+    # ``Shard(0)`` DTensors per parameter.
+    SHARDED = enum.auto()
+    # Wrapper units as their flat shards (``<wrapper>._flat_param``); the rest as SHARDED.
+    LOCAL = enum.auto()
 
 
 class IncompatibleKeys(NamedTuple):
@@ -71,50 +97,37 @@ def reshard_model(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+    for unit in flat_units(model):
+        unit.ensure_sharded()
 
 
 def get_model_state_dict(
     model: nn.Module, *, options: StateDictOptions | None = None
 ) -> dict[str, Any]:
-    """The model's state dict, keyed by qualified name.
+    """The model's state dict, keyed by the unwrapped model's qualified names.
 
     Args:
-        model: a model sharded by ``fully_shard`` (any part of it), an outermost
-            ``FullyShardedDataParallel`` (original names, same values), or a plain model.
+        model: a model sharded by ``fully_shard`` (any part of it), by
+            ``FullyShardedDataParallel`` (either ``use_orig_params``), by both,
+            or a plain model.
         options: ``full_state_dict`` gathers sharded values into plain tensors
             (a collective: call it on every rank); ``cpu_offload`` moves values
             to the CPU and, with ``full_state_dict``, leaves every rank but 0
             with ``{}``.
 
     Returns:
-        ``{fqn: value}``: DTensor shards for sharded parameters, plain tensors
-        otherwise (buffers, unsharded parameters, every value when full).
+        ``{fqn: value}``: ``Shard(0)`` DTensors for sharded parameters, plain
+        tensors otherwise (buffers, unsharded parameters, every value when
+        full). Buffers a wrapper's mixed precision cast come back in their
+        original dtype.
     """
     options = options or StateDictOptions()
-    if is_wrapper_model(model):
-        return _WRAPPER.model_state_dict(
-            model,
-            "FULL_STATE_DICT" if options.full_state_dict else "SHARDED_STATE_DICT",
-            offload_to_cpu=options.cpu_offload,
-            rank0_only=options.cpu_offload,
-        )
-    reshard_model(model)
-    state = model.state_dict()
-    if not options.full_state_dict:
-        if options.cpu_offload:
-            return {k: to_cpu(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        return state
-    keep = not options.cpu_offload or rank() == 0
-    full: dict[str, Any] = {}
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor):
-            value = full_value(value)  # every rank takes part, kept or not
-        if keep:
-            full[key] = (
-                value.cpu() if options.cpu_offload and isinstance(value, torch.Tensor) else value
-            )
-        del value
-    return full
+    return model_state_dict(
+        model,
+        Kind.FULL if options.full_state_dict else Kind.SHARDED,
+        offload_to_cpu=options.cpu_offload,
+        rank0_only=options.cpu_offload,
+    )
 
 
 def set_model_state_dict(
@@ -130,7 +143,7 @@ def set_model_state_dict(
     rows). See [Note: loading one tensor at a time].
 
     Args:
-        model: the model to load into, sharded by ``fully_shard`` or plain.
+        model: the model to load into (sharded by either front end, both, or plain).
         state_dict: ``{fqn: value}``. With ``broadcast_from_rank0`` only rank
             0's is read; other ranks may pass ``{}``.
         options: ``strict`` (default) makes a missing or unexpected key an
@@ -145,76 +158,261 @@ def set_model_state_dict(
             value whose shape differs from the model's.
     """
     options = options or StateDictOptions()
-    if is_wrapper_model(model):
-        if options.broadcast_from_rank0:
-            raise StateDictError(
-                "set_model_state_dict: broadcast_from_rank0 is not supported for "
-                "FullyShardedDataParallel models yet; pass the full state dict on every rank"
-            )
-        missing, unexpected = _WRAPPER.load_model_state_dict(
-            model, state_dict, "FULL_STATE_DICT", strict=options.strict
-        )
-        return IncompatibleKeys(missing_keys=missing, unexpected_keys=unexpected)
+    return load_model_state_dict(
+        model,
+        state_dict,
+        Kind.FULL if options.full_state_dict else Kind.SHARDED,
+        strict=options.strict,
+        broadcast_from_rank0=options.broadcast_from_rank0,
+        caller=_FUNCTIONAL,
+    )
+
+
+# ------------------------------------------------------------------ building
+
+
+def model_state_dict(
+    model: nn.Module, kind: Kind, *, offload_to_cpu: bool, rank0_only: bool
+) -> dict[str, Any]:
+    """``model``'s state dict of ``kind`` (a collective for FULL and SHARDED wrapper units).
+
+    ``rank0_only`` (FULL only) leaves every rank but 0 with ``{}``.
+    """
     reshard_model(model)
-    targets = model.state_dict(keep_vars=True)
-    if options.broadcast_from_rank0:
+    units = flat_units(model)
+    names = _module_names(model)
+    keep = kind is not Kind.FULL or not rank0_only or rank() == 0
+    out: dict[str, Any] = {}
+    params: set[str] = set()
+    for unit in units:  # See [Note: one unit at a time] in _flat.py
+        if kind is Kind.LOCAL:
+            out[flat_key(unit, names)] = _local_dtensor(unit, offload_to_cpu)
+            continue
+        fulls = gather_full(unit, unit.shard, label=f"state_dict ({unit.params[0].keys[0]})")
+        for param, full in zip(unit.params, fulls, strict=True):
+            params.update(param.keys)
+            if not keep:
+                continue
+            value: torch.Tensor
+            if kind is Kind.FULL:
+                value = full.to("cpu" if offload_to_cpu else full.device, copy=True)
+            else:
+                value = chunk_of(full, unit, offload_to_cpu=offload_to_cpu)
+            for key in param.keys:
+                out[key] = value
+        del fulls
+    dtypes = original_buffer_dtypes(model)
+    for key, value in plain_entries(model, units, keep_vars=False).items():
+        if isinstance(value, torch.Tensor) and kind is Kind.FULL:
+            value = full_value(value)  # every rank takes part, kept or not
+        if not keep:
+            continue
+        if isinstance(value, torch.Tensor):
+            if key in dtypes:
+                value = value.to(dtypes[key])
+            if offload_to_cpu:
+                value = to_cpu(value)
+        out[key] = value
+    params.update(n for n, _ in model.named_parameters(remove_duplicate=False))
+    return in_module_order(model, out, params)
+
+
+def _local_dtensor(unit: FlatUnit, offload_to_cpu: bool) -> DTensor:
+    """The unit's flat shard as a DTensor of ``world * shard_numel`` elements (padding included)."""
+    local = unit.shard.detach()
+    if offload_to_cpu:
+        local = local.cpu()
+    mesh = unit.mesh
+    total = unit.world * unit.shard_numel
+    return DTensor.from_local(
+        local,
+        mesh,
+        [Replicate()] * (mesh.ndim - 1) + [Shard(0)],
+        run_check=False,
+        shape=torch.Size([total]),
+        stride=(1,),
+    )
+
+
+def plain_entries(model: nn.Module, units: list[FlatUnit], *, keep_vars: bool) -> dict[str, Any]:
+    """``nn.Module.state_dict`` under clean keys, without what wrapper units hold."""
+    owned = {key for unit in units for param in unit.params for key in param.keys}
+    entries: dict[str, Any] = {}
+    for key, value in nn.Module.state_dict(model, keep_vars=keep_vars).items():
+        clean = clean_fqn(key)
+        if clean in owned or clean == FLAT_PARAM or clean.endswith("." + FLAT_PARAM):
+            continue
+        entries[clean] = value
+    return entries
+
+
+def _module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): clean_fqn(n) for n, m in model.named_modules(remove_duplicate=False)}
+
+
+def in_module_order(model: nn.Module, state: dict[str, Any], params: set[str]) -> dict[str, Any]:
+    """``state`` in the plain model's order: module by module, parameters before the rest."""
+    order: dict[str, int] = {}
+    for name, _ in model.named_modules(remove_duplicate=False):
+        order.setdefault(clean_fqn(name), len(order))
+
+    def rank_of(key: str) -> tuple[int, int]:
+        return order.get(key.rpartition(".")[0], len(order)), 0 if key in params else 1
+
+    return {key: state[key] for key in sorted(state, key=rank_of)}
+
+
+# ------------------------------------------------------------------ loading
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who loads, for error messages: the API's name and how to relax ``strict``."""
+
+    name: str
+    relax: str
+
+
+_FUNCTIONAL = Caller("set_model_state_dict", "pass options=StateDictOptions(strict=False)")
+
+
+def load_model_state_dict(
+    model: nn.Module,
+    state_dict: Mapping[str, Any],
+    kind: Kind,
+    *,
+    strict: bool,
+    broadcast_from_rank0: bool,
+    caller: Caller,
+) -> IncompatibleKeys:
+    """Load ``state_dict`` into ``model``; see :func:`set_model_state_dict`."""
+    if broadcast_from_rank0 and kind is Kind.LOCAL:
+        raise ValueError(f"{caller.name}: broadcast_from_rank0 loads full state dicts, not LOCAL")
+    reshard_model(model)
+    units = flat_units(model)
+    names = _module_names(model)
+    targets = plain_entries(model, units, keep_vars=True)
+    unit_keys = [
+        [flat_key(unit, names)]
+        if kind is Kind.LOCAL
+        else [key for param in unit.params for key in param.keys]
+        for unit in units
+    ]
+    owned = [key for keys in unit_keys for key in keys]
+    params = {*owned, *(n for n, _ in model.named_parameters(remove_duplicate=False))}
+    expected = list(in_module_order(model, dict.fromkeys([*owned, *targets]), params))
+    if broadcast_from_rank0:
         manifest = _manifest_from_rank0(state_dict)
-        keys = _check_keys(targets, list(manifest), options.strict)
-        loaded = _receive_from_rank0(targets, manifest, state_dict)
-        prepared = {k: v for k, v in loaded.items() if v is not None}
+        given = list(manifest)
     else:
-        keys = _check_keys(targets, list(state_dict), options.strict)
-        loaded = prepared = {
-            key: _prepare(key, targets[key], state_dict[key])
+        manifest = {}
+        given = list(state_dict)
+    missing, unexpected = _check_keys(expected, given, strict, caller)
+    fetch = _Fetch(state_dict, manifest if broadcast_from_rank0 else None)
+    for unit, keys in zip(units, unit_keys, strict=True):
+        label = f"{caller.name} ({keys[0]})"
+        if kind is Kind.LOCAL:
+            value = state_dict.get(keys[0])  # as it is: local_flat reads DTensors itself
+            if isinstance(value, torch.Tensor):
+                unit.ensure_sharded()
+                with torch.no_grad():
+                    unit.shard.copy_(local_flat(unit, value, key=keys[0]))
+            continue
+        fulls = [fetch.first(param.keys, unit.compute_device) for param in unit.params]
+        if any(v is not None for v in fulls):
+            write_shard(
+                unit,
+                fulls,
+                current=functools.partial(_current, unit, label),
+                label=caller.name,
+            )
+        del fulls
+    if broadcast_from_rank0:
+        received = _receive_from_rank0(targets, manifest, state_dict, caller)
+        prepared = {k: v for k, v in received.items() if v is not None}
+    else:
+        prepared = {
+            key: _prepare(key, targets[key], state_dict[key], caller)
             for key in targets
             if key in state_dict
         }
     with torch.no_grad():
-        model.load_state_dict(prepared, strict=False)
-    return IncompatibleKeys(
-        missing_keys=[k for k in targets if k not in loaded],
-        unexpected_keys=[k for k in keys if k not in targets],
-    )
+        nn.Module.load_state_dict(model, prepared, strict=False)
+    return IncompatibleKeys(missing_keys=missing, unexpected_keys=unexpected)
+
+
+def _current(unit: FlatUnit, label: str) -> list[torch.Tensor]:
+    return gather_full(unit, unit.shard, label=label)
+
+
+class _Fetch:
+    """Full values for keys: from the local state dict, or broadcast from rank 0 in call order."""
+
+    def __init__(self, state_dict: Mapping[str, Any], manifest: Mapping[str, Any] | None) -> None:
+        self.state_dict = state_dict
+        self.manifest = manifest
+
+    def __call__(self, key: str, device: torch.device) -> torch.Tensor | None:
+        if self.manifest is None:
+            value = self.state_dict.get(key)
+            return full_value(value) if isinstance(value, torch.Tensor) else None
+        spec = self.manifest.get(key)
+        if not isinstance(spec, TensorSpec):
+            return None
+        if rank() == 0:
+            buffer = self.state_dict[key].detach().to(device).contiguous()
+        else:
+            buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        return broadcast_tensor(buffer, label=f"state_dict ({key})")
+
+    def first(self, keys: tuple[str, ...], device: torch.device) -> torch.Tensor | None:
+        """The value of the first of ``keys`` present (tied parameters have several)."""
+        given = self.manifest if self.manifest is not None else self.state_dict
+        for key in keys:
+            if key in given:
+                return self(key, device)
+        return None
 
 
 # ------------------------------------------------------------------ helpers
 
 
-def _check_keys(targets: Mapping[str, Any], keys: list[str], strict: bool) -> list[str]:
-    if strict:
-        given = set(keys)
-        missing = [k for k in targets if k not in given]
-        unexpected = [k for k in keys if k not in targets]
-        if missing:
-            raise StateDictError(
-                f"set_model_state_dict: the state dict has no value for {missing[0]!r} "
-                f"({len(missing)} of the model's {len(targets)} keys are missing); load a "
-                "state dict of this model, or pass options=StateDictOptions(strict=False) to "
-                "load the keys it has"
-            )
-        if unexpected:
-            raise StateDictError(
-                f"set_model_state_dict: the state dict has a value for {unexpected[0]!r}, "
-                f"which the model does not have ({len(unexpected)} such keys); load a state "
-                "dict of this model, or pass options=StateDictOptions(strict=False) to ignore "
-                "them"
-            )
-    return keys
+def _check_keys(
+    expected: list[str], given: list[str], strict: bool, caller: Caller
+) -> tuple[list[str], list[str]]:
+    """The missing and unexpected keys; under ``strict``, an error naming the first one."""
+    known = set(given)
+    missing = [k for k in expected if k not in known]
+    wanted = set(expected)
+    unexpected = [k for k in given if k not in wanted]
+    if strict and missing:
+        raise StateDictError(
+            f"{caller.name}: the state dict has no value for {missing[0]!r} "
+            f"({len(missing)} of the model's {len(expected)} keys are missing); load a "
+            f"state dict of this model, or {caller.relax} to load the keys it has"
+        )
+    if strict and unexpected:
+        raise StateDictError(
+            f"{caller.name}: the state dict has a value for {unexpected[0]!r}, "
+            f"which the model does not have ({len(unexpected)} such keys); load a state "
+            f"dict of this model, or {caller.relax} to ignore them"
+        )
+    return missing, unexpected
 
 
-def _check_shape(key: str, target: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _check_shape(key: str, target: torch.Tensor, shape: tuple[int, ...], caller: Caller) -> None:
     if tuple(target.shape) != shape:
         raise StateDictError(
-            f"set_model_state_dict: {key!r} has shape {shape} in the state dict but "
+            f"{caller.name}: {key!r} has shape {shape} in the state dict but "
             f"{tuple(target.shape)} in the model; load a state dict of this model"
         )
 
 
-def _prepare(key: str, target: Any, value: Any) -> Any:
+def _prepare(key: str, target: Any, value: Any, caller: Caller) -> Any:
     """``value`` in the form ``load_state_dict`` copies into ``target`` locally."""
     if not isinstance(target, torch.Tensor) or not isinstance(value, torch.Tensor):
         return value
-    _check_shape(key, target, tuple(value.shape))
+    _check_shape(key, target, tuple(value.shape), caller)
     if isinstance(target, DTensor):
         if isinstance(value, DTensor) and same_layout(value, target):
             return value
@@ -248,7 +446,10 @@ def _manifest_from_rank0(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _receive_from_rank0(
-    targets: Mapping[str, Any], manifest: Mapping[str, Any], state_dict: Mapping[str, Any]
+    targets: Mapping[str, Any],
+    manifest: Mapping[str, Any],
+    state_dict: Mapping[str, Any],
+    caller: Caller,
 ) -> dict[str, Any]:
     """Rank 0's values, broadcast key by key; see [Note: loading one tensor at a time].
 
@@ -259,7 +460,7 @@ def _receive_from_rank0(
     for key, spec in manifest.items():
         target = targets.get(key)
         if isinstance(spec, TensorSpec) and isinstance(target, torch.Tensor):
-            _check_shape(key, target, spec.shape)
+            _check_shape(key, target, spec.shape, caller)
     received: dict[str, Any] = {}
     for key, target in targets.items():
         if key not in manifest:

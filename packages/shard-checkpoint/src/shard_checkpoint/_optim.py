@@ -2,7 +2,8 @@
 
 ``torch.optim`` keys state by position (parameter 0, 1, ...), which means
 nothing once the model is sharded differently or the optimizer is rebuilt.
-Here every entry is keyed by the parameter's qualified name in the model::
+Here every entry is keyed by the parameter's qualified name in the unwrapped
+model::
 
     {"state": {"blocks.0.inner.weight": {"step": tensor(3.), "exp_avg": DTensor, ...}, ...},
      "param_groups": [{"lr": 0.01, ..., "params": ["embed.weight", ...]}, ...]}
@@ -11,6 +12,19 @@ State shaped like its parameter is a DTensor laid out like the parameter
 (sharded form) or a plain full tensor (full form); anything else (AdamW's
 ``step`` scalar) stays as the optimizer keeps it. The flat form spells the
 same content ``{"state.<fqn>.<name>": ..., "param_groups.<fqn>.<option>": ...}``.
+
+[Note: wrapper units in optimizer state]
+An optimizer over a ``FullyShardedDataParallel`` unit holds either the
+unit's flat shard (``use_orig_params=False``: one parameter, one flat state
+tensor per state name) or each original parameter's 1-D piece of it
+(``use_orig_params=True``; a rank holds state only for the parameters its
+shard touches). Either way a state name of the unit is one flat tensor per
+rank, laid out like the parameters: it is gathered over the unit's shard
+axis and viewed per parameter (``_flat.py``), and loading cuts this rank's
+flat shard back out of per-parameter full values. Because ranks hold state
+for different parameters, one ``all_gather_object`` first agrees on each
+parameter's state names, dtypes and scalars. Only elementwise state (shaped
+like the parameter) and scalars can live in a flat shard.
 
 [Note: optimizer state before the first step]
 ``torch.optim`` creates state lazily at the first step, so a fresh optimizer
@@ -24,19 +38,27 @@ parameters that already have gradients, are left alone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
+from shard_checkpoint._dist import all_gather_objects, broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
-from shard_checkpoint._model import TensorSpec, reshard_model
+from shard_checkpoint._flat import chunk_of, gather_full
+from shard_checkpoint._model import TensorSpec, in_module_order, reshard_model
 from shard_checkpoint._options import StateDictOptions
 from shard_checkpoint._tensors import full_value, same_layout, shard_like, to_cpu
+from shard_runtime import FlatUnit, clean_fqn, flat_units
 
-__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
+__all__ = [
+    "get_optimizer_state_dict",
+    "optimizer_state_dict",
+    "optimizer_state_dict_to_load",
+    "set_optimizer_state_dict",
+]
 
 _STATE = "state"
 _GROUPS = "param_groups"
@@ -45,6 +67,28 @@ _PARAMS = "params"
 # Per fqn: {state name: value}, and per fqn: its param group's options.
 _States = dict[str, dict[str, Any]]
 _GroupOptions = dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class _FlatState:
+    """A wrapper unit's elementwise state name, in the skeleton ranks agree on."""
+
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One parameter an optimizer holds and the names its state goes under.
+
+    ``unit`` is set for wrapper parameters: the unit's flat shard (``index``
+    ``None``, ``fqns`` every parameter of the unit) or one original
+    parameter's piece of it (``index`` its position in the unit).
+    """
+
+    param: torch.Tensor
+    fqns: list[str]
+    unit: FlatUnit | None = None
+    index: int | None = None
 
 
 def get_optimizer_state_dict(
@@ -56,7 +100,8 @@ def get_optimizer_state_dict(
     """The optimizers' state keyed by parameter name (several optimizers are merged).
 
     Args:
-        model: the model whose parameters the optimizers hold (sharded or plain).
+        model: the model whose parameters the optimizers hold (sharded by
+            either front end, both, or plain).
         optimizers: one optimizer, or several over disjoint parameters.
         options: ``full_state_dict`` gathers sharded state into plain tensors
             (a collective); ``cpu_offload`` moves values to the CPU and, with
@@ -67,42 +112,73 @@ def get_optimizer_state_dict(
         StateDictError: an optimizer holds a parameter the model does not.
     """
     options = options or StateDictOptions()
+    result = optimizer_state_dict(
+        model,
+        optimizers,
+        full=options.full_state_dict,
+        offload_to_cpu=options.cpu_offload,
+        rank0_only=options.full_state_dict and options.cpu_offload,
+    )
+    return _flatten(result) if options.flatten_optimizer_state_dict and result else result
+
+
+def optimizer_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    full: bool,
+    offload_to_cpu: bool,
+    rank0_only: bool,
+    local_state_dicts: list[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The nested name-keyed form; ``rank0_only`` (full only) leaves other ranks ``{}``.
+
+    ``local_state_dicts`` replaces ``optim.state_dict()`` of each optimizer
+    (the wrapper's ``optim_state_dict(model, optim, optim_state_dict)``).
+    """
     reshard_model(model)
-    names = _param_names(model)
-    states: _States = {}
+    optims = _as_list(optimizers)
+    layout = _entries(model, optims)
+    keep = not (full and rank0_only) or rank() == 0
+    plain: _States = {}
+    wrapper: dict[int, dict[int | None, dict[str, Any]]] = {}  # id(unit) -> index -> state
     groups: list[dict[str, Any]] = []
-    for o_index, optim in enumerate(_as_list(optimizers)):
-        _init_state(optim)
-        osd = optim.state_dict()
-        fqn_of_index: dict[int, str] = {}
-        for g_index, (group_sd, group) in enumerate(
-            zip(osd[_GROUPS], optim.param_groups, strict=True)
-        ):
-            fqns = [_fqn(names, p, o_index, g_index, i) for i, p in enumerate(group[_PARAMS])]
-            fqn_of_index.update(zip(group_sd[_PARAMS], fqns, strict=True))
+    for o, (optim, entry_groups) in enumerate(zip(optims, layout, strict=True)):
+        if local_state_dicts is None:
+            _init_state(optim)
+            osd = optim.state_dict()
+        else:
+            osd = dict(local_state_dicts[o])
+        entry_of_index: dict[int, _Entry] = {}
+        for group_sd, entries in zip(osd[_GROUPS], entry_groups, strict=True):
+            entry_of_index.update(zip(group_sd[_PARAMS], entries, strict=True))
+            fqns = [fqn for entry in entries for fqn in entry.fqns]
             groups.append({**_group_options(group_sd), _PARAMS: fqns})
         for index, values in osd[_STATE].items():
-            states[fqn_of_index[index]] = dict(values)
+            entry = entry_of_index[index]
+            if entry.unit is None:
+                plain[entry.fqns[0]] = dict(values)
+            else:
+                wrapper.setdefault(id(entry.unit), {})[entry.index] = dict(values)
+    states: _States = {}
+    units = _held_units(layout)
+    if units:
+        skeleton = _agree_on_skeleton(units, wrapper)
+        for unit in units:  # the same order on every rank: gathers are collectives
+            _unit_state_out(
+                unit, wrapper.get(id(unit), {}), skeleton, states, full, offload_to_cpu, keep
+            )
     # Parameter order, the same on every rank: full gathers are collectives.
-    ordered = {fqn: states[fqn] for group in groups for fqn in group[_PARAMS] if fqn in states}
-    if options.full_state_dict:
-        keep = not options.cpu_offload or rank() == 0
-        for values in ordered.values():
-            for name, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    full = full_value(value)  # every rank takes part, kept or not
-                    if keep:
-                        values[name] = full.cpu() if options.cpu_offload else full
-                    del full
-        if not keep:
-            return {}
-    elif options.cpu_offload:
-        for values in ordered.values():
-            for name, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    values[name] = to_cpu(value)
-    result = {_STATE: ordered, _GROUPS: groups}
-    return _flatten(result) if options.flatten_optimizer_state_dict else result
+    ordered: _States = {}
+    for group in groups:
+        for fqn in group[_PARAMS]:
+            if fqn in plain:
+                ordered[fqn] = _plain_state_out(plain[fqn], full, offload_to_cpu, keep)
+            elif fqn in states:
+                ordered[fqn] = states[fqn]
+    if not keep:
+        return {}
+    return {_STATE: ordered, _GROUPS: groups}
 
 
 def set_optimizer_state_dict(
@@ -115,9 +191,9 @@ def set_optimizer_state_dict(
     """Load a name-keyed optimizer state dict (nested or flat, sharded or full).
 
     Each parameter's state is laid out like the parameter now is: full values
-    are cut into this rank's rows, DTensors sharded differently are
-    resharded. Param group options come from the group that held the
-    parameter in ``optim_state_dict``.
+    are cut into this rank's rows (or its flat shard, for wrapper units),
+    DTensors sharded differently are resharded. Param group options come
+    from the group that held the parameter in ``optim_state_dict``.
 
     Args:
         model: the model whose parameters the optimizers hold.
@@ -133,37 +209,318 @@ def set_optimizer_state_dict(
             parameter of the optimizers.
     """
     options = options or StateDictOptions()
+    optims = _as_list(optimizers)
+    loadable = optimizer_state_dict_to_load(
+        model,
+        optims,
+        optim_state_dict,
+        strict=options.strict,
+        broadcast_from_rank0=options.broadcast_from_rank0,
+    )
+    for optim, osd in zip(optims, loadable, strict=True):
+        optim.load_state_dict(osd)
+
+
+def optimizer_state_dict_to_load(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    optim_state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    broadcast_from_rank0: bool,
+) -> list[dict[str, Any]]:
+    """For each optimizer, the positional state dict its ``load_state_dict`` takes."""
     reshard_model(model)
     optims = _as_list(optimizers)
-    names = _param_names(model)
-    layout = [
-        [
-            [_fqn(names, p, o, g, i) for i, p in enumerate(group[_PARAMS])]
-            for g, group in enumerate(optim.param_groups)
-        ]
-        for o, optim in enumerate(optims)
-    ]
-    params = {
-        fqn: param
-        for optim, groups in zip(optims, layout, strict=True)
-        for group, fqns in zip(optim.param_groups, groups, strict=True)
-        for fqn, param in zip(fqns, group[_PARAMS], strict=True)
-    }
-    if options.broadcast_from_rank0:
-        states, group_options = _receive_from_rank0(optim_state_dict, params, options.strict)
+    layout = _entries(model, optims)
+    params = {fqn: entry for entry in _all_entries(layout) for fqn in entry.fqns}
+    if broadcast_from_rank0:
+        specs, group_options = _skeleton_from_rank0(optim_state_dict, params)
+        fetch = _Broadcast(optim_state_dict)
     else:
-        states, group_options = _normalize(optim_state_dict, params)
-        _check_unexpected(states, params, options.strict)
-        states = {
-            fqn: {
-                name: _like_param(f"{fqn}.{name}", value, params[fqn])
-                for name, value in values.items()
-            }
-            for fqn, values in states.items()
-            if fqn in params
+        specs, group_options = _normalize(optim_state_dict, params)
+        fetch = None
+    _check_unexpected(specs, params, strict)
+    by_entry: dict[int, dict[str, Any]] = {}
+    for unit in _held_units(layout):
+        _unit_state_in(unit, layout, specs, fetch, by_entry)
+    for entry in _all_entries(layout):
+        fqn = entry.fqns[0]
+        if entry.unit is not None or fqn not in specs:
+            continue
+        out: dict[str, Any] = {}
+        for name, value in specs[fqn].items():
+            if fetch is not None and isinstance(value, TensorSpec):
+                received = fetch(fqn, name, value, _local_device(entry.param))
+                on_cpu = value.device_type == "cpu" and received.shape != entry.param.shape
+                value = received.cpu() if on_cpu else received
+            out[name] = _like_param(f"{fqn}.{name}", value, entry.param)
+        by_entry[id(entry.param)] = out
+    return [
+        _indexed(optim, groups, by_entry, group_options, strict=strict)
+        for optim, groups in zip(optims, layout, strict=True)
+    ]
+
+
+# ------------------------------------------------------------------ entries
+
+
+def _entries(model: nn.Module, optims: list[torch.optim.Optimizer]) -> list[list[list[_Entry]]]:
+    """Per optimizer, per param group, what each parameter is and the names it holds."""
+    owned: dict[int, tuple[FlatUnit, int | None]] = {}
+    for unit in flat_units(model):
+        if unit.flat_param is not None:
+            owned[id(unit.flat_param)] = (unit, None)
+        else:
+            for index, info in enumerate(unit.params):
+                assert info.param is not None
+                owned[id(info.param)] = (unit, index)
+    names = _param_names(model)
+    layout: list[list[list[_Entry]]] = []
+    for o, optim in enumerate(optims):
+        groups: list[list[_Entry]] = []
+        for g, group in enumerate(optim.param_groups):
+            entries: list[_Entry] = []
+            for i, param in enumerate(group[_PARAMS]):
+                found = owned.get(id(param))
+                if found is None:
+                    entries.append(_Entry(param, [_fqn(names, param, o, g, i)]))
+                    continue
+                holder, position = found
+                if position is None:
+                    entries.append(_Entry(param, [p.keys[0] for p in holder.params], holder))
+                else:
+                    entries.append(
+                        _Entry(param, [holder.params[position].keys[0]], holder, position)
+                    )
+            groups.append(entries)
+        layout.append(groups)
+    return layout
+
+
+def _all_entries(layout: list[list[list[_Entry]]]) -> list[_Entry]:
+    return [entry for groups in layout for entries in groups for entry in entries]
+
+
+def _held_units(layout: list[list[list[_Entry]]]) -> list[FlatUnit]:
+    """The wrapper units the optimizers hold parameters of, in first-held order."""
+    units: dict[int, FlatUnit] = {}
+    for groups in layout:
+        for entries in groups:
+            for entry in entries:
+                if entry.unit is not None:
+                    units.setdefault(id(entry.unit.wrapper), entry.unit)
+    return list(units.values())
+
+
+# ------------------------------------------------------------------ wrapper units
+# See [Note: wrapper units in optimizer state]
+
+_Skeleton = dict[str, dict[str, Any]]  # fqn -> state name -> _FlatState | scalar value
+
+
+def _agree_on_skeleton(
+    units: list[FlatUnit], held: Mapping[int, Mapping[int | None, Mapping[str, Any]]]
+) -> _Skeleton:
+    """Every wrapper parameter's state names, flat dtypes and scalars, merged over all ranks."""
+    local: _Skeleton = {}
+    for unit in units:
+        states = held.get(id(unit), {})
+        if unit.flat_param is not None:
+            values = states.get(None)
+            if values:
+                shape = _describe(unit.params[0].keys[0], values, unit.shard_numel)
+                for param in unit.params:
+                    local[param.keys[0]] = shape
+            continue
+        for info in unit.meta.params:
+            values = states.get(info.index)
+            if values:
+                fqn = unit.params[info.index].keys[0]
+                local[fqn] = _describe(fqn, values, info.numel_in_range)
+    merged: _Skeleton = {}
+    for theirs in all_gather_objects(local):
+        for fqn, names in theirs.items():
+            mine = merged.setdefault(fqn, {})
+            for name, value in names.items():
+                mine.setdefault(name, value)
+    return merged
+
+
+def _describe(fqn: str, values: Mapping[str, Any], numel: int) -> dict[str, Any]:
+    """A wrapper parameter's state with flat tensors replaced by their dtype."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor):
+            out[name] = value
+        elif value.dim() == 0:
+            out[name] = value.detach().clone()
+        elif value.dim() == 1 and value.numel() == numel:
+            out[name] = _FlatState(value.dtype)
+        else:
+            raise _not_elementwise(fqn, name, tuple(value.shape))
+    return out
+
+
+def _not_elementwise(fqn: str, name: str, shape: tuple[int, ...]) -> StateDictError:
+    return StateDictError(
+        f"optimizer state {fqn}.{name} has shape {shape}, neither a scalar nor laid out like "
+        "the parameter: FullyShardedDataParallel units keep parameters in flat shards, which "
+        "hold elementwise optimizer state only (Adam, SGD momentum, ...); shard this part of "
+        "the model with fully_shard to use this optimizer"
+    )
+
+
+def _unit_state_out(
+    unit: FlatUnit,
+    held: Mapping[int | None, Mapping[str, Any]],
+    skeleton: _Skeleton,
+    states: _States,
+    full: bool,
+    offload_to_cpu: bool,
+    keep: bool,
+) -> None:
+    """Add the unit's parameters' state to ``states``, one gathered state name at a time."""
+    fqns = [param.keys[0] for param in unit.params]
+    dtypes: dict[str, torch.dtype] = {}
+    for fqn in fqns:
+        for name, value in skeleton.get(fqn, {}).items():
+            if isinstance(value, _FlatState):
+                dtypes.setdefault(name, value.dtype)
+    values: dict[str, dict[str, torch.Tensor]] = {}
+    for name, dtype in dtypes.items():
+        local = _local_flat_state(unit, held, name, dtype)
+        fulls = gather_full(unit, local, label=f"optim_state_dict ({fqns[0]}.{name})")
+        for fqn, value in zip(fqns, fulls, strict=True):
+            if not keep or name not in skeleton.get(fqn, {}):
+                continue
+            values.setdefault(fqn, {})[name] = (
+                value.to("cpu" if offload_to_cpu else value.device, copy=True)
+                if full
+                else chunk_of(value, unit, offload_to_cpu=offload_to_cpu)
+            )
+        del fulls, local
+    if keep:
+        for fqn in fqns:
+            if fqn in skeleton:
+                states[fqn] = {
+                    name: values[fqn][name] if isinstance(value, _FlatState) else value
+                    for name, value in skeleton[fqn].items()
+                }
+
+
+def _local_flat_state(
+    unit: FlatUnit, held: Mapping[int | None, Mapping[str, Any]], name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """This rank's flat tensor of state ``name`` (zeros where it holds none)."""
+    device = unit.shard.device
+    if unit.flat_param is not None:
+        value = held.get(None, {}).get(name)
+        if isinstance(value, torch.Tensor):
+            return value.detach()
+        return torch.zeros(unit.shard_numel, dtype=dtype, device=device)
+    local = torch.zeros(unit.shard_numel, dtype=dtype, device=device)
+    for info in unit.meta.params:
+        value = held.get(info.index, {}).get(name)
+        if isinstance(value, torch.Tensor):
+            local.narrow(0, info.offset_in_range, info.numel_in_range).copy_(value.reshape(-1))
+    return local
+
+
+def _plain_state_out(
+    values: dict[str, Any], full: bool, offload_to_cpu: bool, keep: bool
+) -> dict[str, Any]:
+    """A fully_shard or plain parameter's state in the requested form."""
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            if full:
+                value = full_value(value)  # every rank takes part, kept or not
+                value = value.cpu() if offload_to_cpu else value
+            elif offload_to_cpu:
+                value = to_cpu(value)
+        if keep:
+            out[name] = value
+    return out
+
+
+def _unit_state_in(
+    unit: FlatUnit,
+    layout: list[list[list[_Entry]]],
+    specs: _States,
+    fetch: _Broadcast | None,
+    by_entry: dict[int, dict[str, Any]],
+) -> None:
+    """Cut this rank's flat state of ``unit`` out of per-parameter values, one name at a time."""
+    fqns = [param.keys[0] for param in unit.params]
+    flat_names: list[str] = []
+    for fqn, param in zip(fqns, unit.params, strict=True):
+        for name, value in specs.get(fqn, {}).items():
+            shape = tuple(value.shape) if isinstance(value, (torch.Tensor, TensorSpec)) else ()
+            if shape == tuple(param.shape) and shape != ():
+                if name not in flat_names:
+                    flat_names.append(name)
+            elif shape != ():
+                raise _not_elementwise(fqn, name, shape)
+    shard = unit.shard
+    flat: dict[str, torch.Tensor] = {}
+    for name in flat_names:
+        fulls: list[torch.Tensor | None] = []
+        for fqn in fqns:
+            value = specs.get(fqn, {}).get(name)
+            if value is None:
+                fulls.append(None)
+            elif fetch is not None:
+                fulls.append(fetch(fqn, name, value, unit.compute_device))
+            else:
+                fulls.append(full_value(value))
+        dtype = next(v.dtype for v in fulls if v is not None)
+        tensors = [
+            (v if v is not None else torch.zeros(p.shape, dtype=dtype)).to(shard.device, dtype)
+            for v, p in zip(fulls, unit.params, strict=True)
+        ]
+        flat[name] = unit.layout.shard(tensors, unit.rank, unit.world)
+        del fulls, tensors
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn in fqns:
+        for name, value in specs.get(fqn, {}).items():
+            if name in flat_names:
+                continue
+            if fetch is not None and isinstance(value, TensorSpec):
+                received = fetch(fqn, name, value, unit.compute_device)
+                value = received.cpu() if value.device_type == "cpu" else received
+            scalars.setdefault(fqn, {})[name] = value
+    pieces = {info.index: info for info in unit.meta.params}
+    for entry in _all_entries(layout):
+        if entry.unit is None or entry.unit.wrapper is not unit.wrapper:
+            continue
+        if entry.index is None:
+            first = next((f for f in fqns if f in specs), None)
+            if first is None:
+                continue
+            order = list(specs[first])
+            state = {n: _copy(scalars.get(first, {}).get(n)) for n in order if n not in flat}
+            state.update({n: flat[n] for n in flat})
+            by_entry[id(entry.param)] = {n: state[n] for n in [*order, *flat] if n in state}
+            continue
+        fqn = fqns[entry.index]
+        info = pieces.get(entry.index)
+        if info is None or fqn not in specs:
+            continue
+        by_entry[id(entry.param)] = {
+            name: (
+                flat[name].narrow(0, info.offset_in_range, info.numel_in_range).clone()
+                if name in flat
+                else _copy(scalars[fqn][name])
+            )
+            for name in specs[fqn]
+            if name in flat or name in scalars.get(fqn, {})
         }
-    for optim, groups in zip(optims, layout, strict=True):
-        optim.load_state_dict(_indexed(optim, groups, states, group_options, strict=options.strict))
+
+
+def _copy(value: Any) -> Any:
+    """A scalar state value of its own (optimizers update ``step`` tensors in place)."""
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 # ------------------------------------------------------------------ names
@@ -183,7 +540,7 @@ def _as_list(
 def _param_names(model: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
+        names.setdefault(id(param), clean_fqn(name))
     return names
 
 
@@ -219,7 +576,7 @@ def _flatten(nested: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _normalize(
-    osd: Mapping[str, Any], params: Mapping[str, torch.Tensor]
+    osd: Mapping[str, Any], params: Mapping[str, _Entry]
 ) -> tuple[_States, _GroupOptions]:
     """Per-parameter state and group options from either form of ``osd``."""
     if _STATE in osd and _GROUPS in osd:
@@ -244,7 +601,7 @@ def _normalize(
     return states, group_options
 
 
-def _check_unexpected(states: _States, params: Mapping[str, torch.Tensor], strict: bool) -> None:
+def _check_unexpected(states: _States, params: Mapping[str, _Entry], strict: bool) -> None:
     if strict:
         unexpected = [fqn for fqn in states if fqn not in params]
         if unexpected:
@@ -258,8 +615,8 @@ def _check_unexpected(states: _States, params: Mapping[str, torch.Tensor], stric
 
 def _indexed(
     optim: torch.optim.Optimizer,
-    groups: list[list[str]],
-    states: _States,
+    groups: list[list[_Entry]],
+    by_entry: Mapping[int, dict[str, Any]],
     group_options: _GroupOptions,
     *,
     strict: bool,
@@ -268,7 +625,8 @@ def _indexed(
     state: dict[int, dict[str, Any]] = {}
     param_groups: list[dict[str, Any]] = []
     index = 0
-    for group, fqns in zip(optim.param_groups, groups, strict=True):
+    for group, entries in zip(optim.param_groups, groups, strict=True):
+        fqns = [fqn for entry in entries for fqn in entry.fqns]
         loaded = next((group_options[f] for f in fqns if f in group_options), None)
         if loaded is None:
             if strict and fqns:
@@ -279,9 +637,9 @@ def _indexed(
                 )
             loaded = _group_options(group)
         ids = []
-        for fqn in fqns:
-            if fqn in states:
-                state[index] = states[fqn]
+        for entry in entries:
+            if id(entry.param) in by_entry:
+                state[index] = by_entry[id(entry.param)]
             ids.append(index)
             index += 1
         param_groups.append({**loaded, _PARAMS: ids})
@@ -304,10 +662,10 @@ def _like_param(key: str, value: Any, param: torch.Tensor) -> Any:
 # ------------------------------------------------------------------ broadcast
 
 
-def _receive_from_rank0(
-    osd: Mapping[str, Any], params: Mapping[str, torch.Tensor], strict: bool
+def _skeleton_from_rank0(
+    osd: Mapping[str, Any], params: Mapping[str, _Entry]
 ) -> tuple[_States, _GroupOptions]:
-    """Rank 0's state, broadcast one tensor at a time, each laid out like its parameter."""
+    """Rank 0's state with every tensor replaced by its :class:`TensorSpec`, on every rank."""
     skeleton: tuple[_States, _GroupOptions] | StateDictError | None = None
     if rank() == 0:
         try:
@@ -319,31 +677,21 @@ def _receive_from_rank0(
     if isinstance(skeleton, StateDictError):
         raise skeleton
     assert skeleton is not None
-    specs, group_options = skeleton
-    _check_unexpected(specs, params, strict)
-    received: _States = {}
-    for fqn, values in specs.items():
-        param = params.get(fqn)
-        if param is None:  # not strict: skipped on every rank alike
-            continue
-        out: dict[str, Any] = {}
-        for name, spec in values.items():
-            if not isinstance(spec, TensorSpec):
-                out[name] = spec
-                continue
-            device = _local_device(param)
-            if rank() == 0:
-                buffer = _osd_value(osd, fqn, name).detach().to(device).contiguous()
-            else:
-                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
-            broadcast_tensor(buffer, label=f"optim_state_dict ({fqn}.{name})")
-            if buffer.shape == param.shape:
-                out[name] = _like_param(f"{fqn}.{name}", buffer, param)
-            else:
-                out[name] = buffer.cpu() if spec.device_type == "cpu" else buffer
-            del buffer
-        received[fqn] = out
-    return received, group_options
+    return skeleton
+
+
+class _Broadcast:
+    """Rank 0's full tensors, one per call, in the order every rank asks for them."""
+
+    def __init__(self, osd: Mapping[str, Any]) -> None:
+        self.osd = osd
+
+    def __call__(self, fqn: str, name: str, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+        if rank() == 0:
+            buffer = _osd_value(self.osd, fqn, name).detach().to(device).contiguous()
+        else:
+            buffer = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+        return broadcast_tensor(buffer, label=f"optim_state_dict ({fqn}.{name})")
 
 
 def _local_device(param: torch.Tensor) -> torch.device:
@@ -404,3 +752,76 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
             if lr is not None:
                 group["lr"] = lr
         optim.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ rekeying
+
+
+def rekey_optimizer_state_dict(
+    optim_state_dict: Mapping[str, Any],
+    key_type: str,
+    model: nn.Module,
+    optim: torch.optim.Optimizer | None,
+) -> dict[str, Any]:
+    """``optim_state_dict`` keyed by name (``"PARAM_NAME"``) or by position (``"PARAM_ID"``).
+
+    Positions count the parameters of ``optim`` in its param groups' order
+    (one position per original parameter, even when a wrapper unit's flat
+    shard holds several), or ``model``'s parameters in module order when
+    ``optim`` is ``None``: what a plain optimizer over the unwrapped model
+    numbers them. No communication.
+    """
+    if key_type not in ("PARAM_NAME", "PARAM_ID"):
+        raise ValueError(f"key type must be PARAM_NAME or PARAM_ID, got {key_type!r}")
+    if optim is not None:
+        order = [fqn for entry in _all_entries(_entries(model, [optim])) for fqn in entry.fqns]
+    else:
+        order = _model_param_order(model)
+    if key_type == "PARAM_ID":
+        position = {fqn: i for i, fqn in enumerate(order)}
+
+        def rekey(key: Any) -> Any:
+            if isinstance(key, int):
+                return key
+            if key not in position:
+                raise StateDictError(
+                    f"rekey_optim_state_dict: {key!r} is not a parameter of the model; "
+                    "rekey a state dict of this model"
+                )
+            return position[key]
+
+    else:
+
+        def rekey(key: Any) -> Any:
+            if isinstance(key, str):
+                return key
+            if not 0 <= key < len(order):
+                raise StateDictError(
+                    f"rekey_optim_state_dict: parameter id {key} is out of range: the model "
+                    f"has {len(order)} parameters; rekey a state dict of this model"
+                )
+            return order[key]
+
+    # ``Optimizer.load_state_dict`` pairs parameters by their order in the groups:
+    # positions go in ascending order, as a plain optimizer lists them.
+    groups = []
+    for group in optim_state_dict[_GROUPS]:
+        keys = [rekey(k) for k in group[_PARAMS]]
+        groups.append({**group, _PARAMS: sorted(keys) if key_type == "PARAM_ID" else keys})
+    state = {rekey(k): v for k, v in optim_state_dict[_STATE].items()}
+    if key_type == "PARAM_ID":
+        state = dict(sorted(state.items()))
+    return {_STATE: state, _GROUPS: groups}
+
+
+def _model_param_order(model: nn.Module) -> list[str]:
+    """The unwrapped model's parameter names in module order (flat shards expanded)."""
+    units = {id(unit.flat_param): unit for unit in flat_units(model) if unit.flat_param is not None}
+    names: list[str] = []
+    for name, param in model.named_parameters():
+        unit = units.get(id(param))
+        if unit is None:
+            names.append(clean_fqn(name))
+        else:
+            names.extend(p.keys[0] for p in unit.params)
+    return list(in_module_order(model, dict.fromkeys(names), set(names)))

@@ -265,11 +265,13 @@ class DeviceHandle(Protocol):
 
 @runtime_checkable
 class StateDictBackend(Protocol):
-    """Builds and loads the model state dicts of ``FullyShardedDataParallel``.
+    """Builds and loads the model and optimizer state dicts of ``FullyShardedDataParallel``.
 
     ``state_dict_type`` is the name of a ``shard_runtime.StateDictType``
-    member (``"FULL_STATE_DICT"``, ``"SHARDED_STATE_DICT"``); the wrapper
-    passes the options of its state-dict config as keyword arguments.
+    member (``"FULL_STATE_DICT"``, ``"SHARDED_STATE_DICT"``,
+    ``"LOCAL_STATE_DICT"``); the wrapper passes the options of its state-dict
+    config as keyword arguments. Every method is a collective over the
+    model's ranks unless it says otherwise.
     """
 
     def model_state_dict(
@@ -292,4 +294,41 @@ class StateDictBackend(Protocol):
         strict: bool,
     ) -> tuple[list[str], list[str]]:
         """Load ``state_dict`` into ``module``'s shards; return (missing, unexpected) keys."""
+        ...
+
+    def optim_state_dict(
+        self,
+        module: nn.Module,
+        optim: torch.optim.Optimizer,
+        state_dict_type: str,
+        *,
+        offload_to_cpu: bool,
+        rank0_only: bool,
+        optim_state_dict: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """``optim``'s state keyed by the original parameter names (full, or sharded DTensors).
+
+        ``optim_state_dict``, when given, is ``optim.state_dict()`` as the caller took it.
+        """
+        ...
+
+    def optim_state_dict_to_load(
+        self,
+        module: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: Mapping[str, Any],
+        *,
+        broadcast_from_rank0: bool,
+    ) -> dict[str, Any]:
+        """The positional state dict ``optim.load_state_dict`` takes for this rank's shards."""
+        ...
+
+    def rekey_optim_state_dict(
+        self,
+        optim_state_dict: Mapping[str, Any],
+        key_type: str,
+        module: nn.Module,
+        optim: torch.optim.Optimizer | None,
+    ) -> dict[str, Any]:
+        """``optim_state_dict`` keyed by ``"PARAM_NAME"`` or ``"PARAM_ID"`` (no communication)."""
         ...

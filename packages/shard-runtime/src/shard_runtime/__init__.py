@@ -7,6 +7,7 @@ Switch from PyTorch by changing the import line::
 """
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
+from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -14,12 +15,14 @@ from shard_runtime._fully_shard import (
     register_fsdp_forward_method,
 )
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shard_runtime._state import clean_fqn
 from shard_runtime._state_dict_type import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
     OptimStateDictConfig,
+    OptimStateKeyType,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictConfig,
@@ -42,6 +45,8 @@ __all__ = [
     "CPUOffloadPolicy",
     "CustomPolicy",
     "FSDPModule",
+    "FlatUnit",
+    "FlatUnitParam",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -52,6 +57,7 @@ __all__ = [
     "ModuleWrapPolicy",
     "OffloadPolicy",
     "OptimStateDictConfig",
+    "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",
@@ -62,7 +68,10 @@ __all__ = [
     "WrapPolicyLike",
     "__version__",
     "apply_wrap_policy",
+    "clean_fqn",
+    "flat_units",
     "fully_shard",
+    "original_buffer_dtypes",
     "plan_units",
     "register_fsdp_forward_method",
     "resolve_wrap_policy",

@@ -12,8 +12,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from torch import nn
+
 __all__ = [
     "FullOptimStateDictConfig",
+    "OptimStateKeyType",
     "FullStateDictConfig",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
@@ -23,7 +26,10 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "settings_of",
 ]
+
+_SETTINGS = "_state_dict_settings"
 
 
 class StateDictType(enum.Enum):
@@ -38,6 +44,18 @@ class StateDictType(enum.Enum):
     FULL_STATE_DICT = enum.auto()
     LOCAL_STATE_DICT = enum.auto()
     SHARDED_STATE_DICT = enum.auto()
+
+
+class OptimStateKeyType(enum.Enum):
+    """How ``rekey_optim_state_dict`` keys optimizer state.
+
+    ``PARAM_NAME``: by the parameter's qualified name in the unwrapped model
+    (what the wrapper's optimizer state dicts use). ``PARAM_ID``: by position,
+    as a plain ``torch.optim`` optimizer over the unwrapped model does.
+    """
+
+    PARAM_NAME = enum.auto()
+    PARAM_ID = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -171,3 +189,24 @@ class StateDictSettings:
                 f"got {type(optim).__name__}"
             )
         return cls(state_dict_type, config, optim)
+
+
+def settings_of(module: nn.Module) -> StateDictSettings:
+    """The state-dict settings of the wrappers in ``module``'s tree.
+
+    Raises:
+        ValueError: ``module`` holds no wrapper, or its wrappers disagree.
+    """
+    found = [m.__dict__[_SETTINGS] for m in module.modules() if _SETTINGS in m.__dict__]
+    if not found:
+        raise ValueError(
+            f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel; "
+            "pass a wrapped model"
+        )
+    if any(settings != found[0] for settings in found):
+        raise ValueError(
+            "get_state_dict_type: the wrappers of this model have different state-dict "
+            "types; set one for the whole model with set_state_dict_type(model, ...)"
+        )
+    settings: StateDictSettings = found[0]
+    return settings

@@ -35,6 +35,7 @@ from shard_comms import all_gather, build_mesh
 from shard_core import get_registry
 from shard_core.protocols import CommHook, WrapDecision, WrapPolicy
 from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
+from shard_runtime._flat_units import record_buffer_dtype
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._param import ParamOwner
@@ -44,6 +45,7 @@ from shard_runtime._state_dict_type import (
     StateDictConfig,
     StateDictSettings,
     StateDictType,
+    settings_of,
 )
 from shard_runtime._unit import ShardedState, TrainingState, Unit
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
@@ -55,6 +57,7 @@ from shard_runtime._wrapper_init import (
 from shard_runtime._wrapper_init import (
     sync_module_states as broadcast_module_states,
 )
+from shard_runtime._wrapper_optim import OptimStateDictMethods
 from shard_runtime._wrapper_options import (
     HYBRID_STRATEGIES,
     RESHARD_AFTER_FORWARD,
@@ -86,7 +89,7 @@ class _Shared:
         self.ignored_params = ignored_params
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
     """Shard ``module``'s parameters as flat buffers across ranks; PyTorch's wrapper API.
 
     Args mirror ``torch.distributed.fsdp.FullyShardedDataParallel``:
@@ -178,7 +181,7 @@ class FullyShardedDataParallel(nn.Module):
             }
             _auto_wrap(module, auto_wrap_policy, mixed_precision, options, _shared)
         self._fsdp_wrapped_module = module
-        self._state_dict_settings = StateDictSettings.of(StateDictType.LOCAL_STATE_DICT)
+        self._state_dict_settings = StateDictSettings.of(StateDictType.FULL_STATE_DICT)
         self._init_unit()
 
     # ------------------------------------------------------------------ construction
@@ -291,10 +294,12 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state dict of the type set on it (see :meth:`state_dict_type`).
 
-        ``LOCAL_STATE_DICT`` (the default): what this rank holds, no
-        communication. ``FULL_STATE_DICT`` and ``SHARDED_STATE_DICT`` (the
-        root wrapper only; a collective) come from shard-checkpoint through
-        the plugin registry.
+        Keys are the unwrapped model's. ``FULL_STATE_DICT`` (the default, as in
+        PyTorch): full tensors, gathered one unit at a time. ``SHARDED_STATE_DICT``:
+        ``Shard(0)`` DTensors cut like ``torch.chunk``. ``LOCAL_STATE_DICT``:
+        each unit's flat shard as a DTensor under ``<wrapper>._flat_param``, no
+        communication. Called on the root wrapper, every rank takes part; the
+        work is shard-checkpoint's, reached through the plugin registry.
         """
         settings = self._state_dict_settings
         if not self._serves_state_dict(args, kwargs.get("prefix", "")):
@@ -326,13 +331,8 @@ class FullyShardedDataParallel(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _serves_state_dict(self, args: tuple[Any, ...], prefix: str) -> bool:
-        """Whether this call is the root's full or sharded one (not LOCAL, not nested)."""
-        return (
-            self._state_dict_settings.state_dict_type is not StateDictType.LOCAL_STATE_DICT
-            and not args
-            and not prefix
-            and _state(self).parent is None
-        )
+        """Whether this call is the root's own (not a parent module's recursion)."""
+        return not args and not prefix and _state(self).parent is None
 
     @staticmethod
     def set_state_dict_type(
@@ -355,19 +355,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             ValueError: ``module`` holds no wrapper, or its wrappers disagree.
         """
-        wrappers = FullyShardedDataParallel.fsdp_modules(module)
-        if not wrappers:
-            raise ValueError(
-                f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel; "
-                "pass a wrapped model"
-            )
-        settings = wrappers[0]._state_dict_settings
-        if any(w._state_dict_settings != settings for w in wrappers):
-            raise ValueError(
-                "get_state_dict_type: the wrappers of this model have different state-dict "
-                "types; set one for the whole model with set_state_dict_type(model, ...)"
-            )
-        return settings
+        return settings_of(module)
 
     @staticmethod
     @contextlib.contextmanager
@@ -689,11 +677,13 @@ def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: s
 
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: frozenset[nn.Module]) -> None:
+    """Cast floating buffers to ``dtype``, remembering each one's dtype for state dicts."""
     for mod in module.modules():
         if mod in ignored or isinstance(mod, FullyShardedDataParallel):
             continue
         for name, buffer in mod._buffers.items():
             if buffer is not None and torch.is_floating_point(buffer):
+                record_buffer_dtype(mod, name, buffer.dtype)
                 mod._buffers[name] = buffer.to(dtype)
 
 
