@@ -12,6 +12,7 @@ The functional API has the names and options of
 
 from shard_checkpoint._consolidate import consolidate
 from shard_checkpoint._errors import CheckpointError, StateDictError
+from shard_checkpoint._export import ExportReport, export_full_state_dict
 from shard_checkpoint._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
 from shard_checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from shard_checkpoint._options import StateDictOptions
@@ -20,11 +21,13 @@ from shard_checkpoint._version import __version__
 
 __all__ = [
     "CheckpointError",
+    "ExportReport",
     "IncompatibleKeys",
     "StateDictError",
     "StateDictOptions",
     "__version__",
     "consolidate",
+    "export_full_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "load",
