@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 TINY = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--sample-chars", "0"]
 
 
@@ -40,20 +42,30 @@ def _check(summary: dict[str, Any]) -> None:
     assert summary["last_loss"] < summary["first_loss"]
 
 
-def test_wrapper_hybrid_bf16_trains_and_resumes(tmp_path: Path) -> None:
-    """Wrapper, HYBRID_SHARD over 2 replicas of 1 rank, bf16: exact bytes, then a resume."""
-    summary = _train(
-        tmp_path,
-        "--frontend", "wrapper", "--strategy", "hybrid", "--shard-size", "1",
-        "--precision", "bf16", "--steps", "5", "--ckpt-every", "5",
-    )  # fmt: skip
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_wrapper_hybrid_bf16_trains_and_resumes_under_fully_shard(tmp_path: Path) -> None:
+    """Wrapper, HYBRID_SHARD over 2 replicas of 1 rank, bf16: exact bytes; its checkpoint
+    resumes under fully_shard with FULL_SHARD, continuing an uninterrupted run's curve."""
+    wrapper = ["--frontend", "wrapper", "--strategy", "hybrid", "--shard-size", "1"]
+    summary = _train(tmp_path, *wrapper, "--precision", "bf16", "--steps", "5", "--ckpt-every", "5")
     _check(summary)
     assert summary["comm_per_step"]["all_reduce"]["calls"] == 3  # across replicas, per unit
-    resumed = _train(tmp_path, "--resume", "--steps", "7")
+    switched = ["--frontend", "fully_shard", "--strategy", "full"]
+    resumed = _train(tmp_path, "--resume", *switched, "--steps", "7")
     assert resumed["steps_run"] == 2
     lines = (tmp_path / "r" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    steps = [json.loads(line)["step"] for line in lines]
-    assert steps == list(range(1, 8))
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 8))
+    whole = tmp_path / "uninterrupted"
+    whole.mkdir()
+    _train(whole, *wrapper, "--precision", "bf16", "--steps", "7")
+    expected = _losses(whole / "r")
+    got = _losses(tmp_path / "r")
+    assert got[:5] == expected[:5]
+    assert got[5:] == pytest.approx(expected[5:], rel=1e-2)
 
 
 def test_grad_op_with_cpu_offload_holds_what_the_plan_says(tmp_path: Path) -> None:

@@ -62,14 +62,24 @@ def test_resume_continues_the_stored_run_with_more_steps(tmp_path: Path) -> None
     assert options == dataclasses.replace(stored, resume=True, steps=9)
 
 
-def test_resume_refuses_to_change_what_the_checkpoint_depends_on(tmp_path: Path) -> None:
-    """A resume that changes the model or the front end is refused, naming the flag."""
+def test_resume_refuses_to_change_what_the_run_depends_on(tmp_path: Path) -> None:
+    """A resume that changes the data (here the world size) is refused, naming the flag."""
     _stored(tmp_path)
     with pytest.raises(
         ValueError,
-        match=r"--resume: --frontend wrapper differs from the interrupted run's fully_shard",
+        match=r"--resume: --nproc 3 differs from the interrupted run's 2 \(config.json\); a "
+        r"resumed run keeps the model, data, precision and world size of its checkpoint: "
+        r"drop --nproc$",
     ):
-        resolve_options({"resume": True, "run_dir": str(tmp_path), "frontend": "wrapper"})
+        resolve_options({"resume": True, "run_dir": str(tmp_path), "nproc": 3})
+
+
+def test_resume_may_switch_front_end_and_strategy(tmp_path: Path) -> None:
+    """Checkpoints reshard on load, so a resume may change the front end and the strategy."""
+    stored = _stored(tmp_path)
+    changes = {"frontend": "wrapper", "strategy": "grad-op", "cpu_offload": True}
+    options = resolve_options({"resume": True, "run_dir": str(tmp_path), **changes})
+    assert options == dataclasses.replace(stored, resume=True, **changes)
 
 
 def test_resume_without_a_run_says_how_to_start_one(tmp_path: Path) -> None:

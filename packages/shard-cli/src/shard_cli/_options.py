@@ -38,7 +38,20 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 # Options a resumed run may change; every other one must match the checkpoint's run.
 RESUMABLE_CHANGES = frozenset(
-    {"steps", "ckpt_every", "resume", "sample_chars", "measure_step", "timeout_s"}
+    {
+        "steps",
+        "ckpt_every",
+        "resume",
+        "sample_chars",
+        "measure_step",
+        "timeout_s",
+        # Checkpoints are keyed by parameter name and reshard on load (shard-checkpoint).
+        "frontend",
+        "strategy",
+        "shard_size",
+        "cpu_offload",
+        "wrap_policy",
+    }
 )
 
 
@@ -169,7 +182,9 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
     from the preset (``steps``, ``batch``, ``seq``, ``lr``) and the defaults;
     with ``resume`` set, the run continues the one stored in
     ``<run_dir>/config.json`` and only ``steps``, ``ckpt_every``,
-    ``sample_chars``, ``measure_step`` and ``timeout_s`` may change.
+    ``sample_chars``, ``measure_step``, ``timeout_s`` and how the model is
+    sharded (``frontend``, ``strategy``, ``shard_size``, ``cpu_offload``,
+    ``wrap_policy``) may change.
 
     Raises:
         ValueError: a flag is out of range, or a resume changes an option the
@@ -187,7 +202,7 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
                 raise ValueError(
                     f"--resume: {flag} {value} differs from the interrupted run's "
                     f"{getattr(stored, name)} (config.json); a resumed run keeps the model, "
-                    f"front end, strategy, precision and world size of its checkpoint: drop {flag}"
+                    f"data, precision and world size of its checkpoint: drop {flag}"
                 )
         for name in ("run_dir", "ckpt_dir"):
             if name in given:
