@@ -2,7 +2,8 @@
 
 PyTorch's FSDP2 and its ``torch.distributed.checkpoint.state_dict`` helpers
 appear here only, as the reference. Both sides shard ``ToyNet`` the same way
-(each block, then the root) on the same 2-rank mesh; the model and AdamW
+(each block, then the root) on the same 2-rank mesh, shard's side with
+``fully_shard`` or with its wrapper (flat shards, same units); the model and AdamW
 state saved by one side load into a freshly built, zeroed model (and a
 fresh optimizer) of the other, and the gathered values must be equal.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -33,36 +35,47 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 import shard_checkpoint as sc
-from shard_runtime import fully_shard
+from shard_runtime import FullyShardedDataParallel as FSDP
+from shard_runtime import ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ToyNet, toy_batches
+from shard_testing.models import ResidualBlock, ToyNet, toy_batches
 
 Full = dict[str, torch.Tensor]
 
 
-def _build(torch_side: bool, *, zeroed: bool) -> tuple[ToyNet, torch.optim.Optimizer]:
+def _build(side: str, *, zeroed: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``side``: "torch" (PyTorch's fully_shard), "fully_shard" or "wrapper" (shard's)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    shard = torch_fully_shard if torch_side else fully_shard
-    model = ToyNet()
-    for block in model.blocks:
-        shard(block, mesh=mesh)
-    shard(model, mesh=mesh)
+    model: nn.Module = ToyNet()
+    if side == "wrapper":
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}), device_mesh=mesh)
+    else:
+        shard = torch_fully_shard if side == "torch" else fully_shard
+        for block in model.blocks:  # type: ignore[union-attr]
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
     if zeroed:
-        with torch.no_grad():
+        with torch.no_grad(), FSDP.summon_full_params(model):
             for param in model.parameters():
                 param.zero_()
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def _train_one_step(model: ToyNet, optim: torch.optim.Optimizer) -> None:
+def _train_one_step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     (x, y) = toy_batches(dist.get_world_size(), steps=1)[0][0][dist.get_rank()]
     nn.functional.mse_loss(model(x), y).backward()
     optim.step()
     optim.zero_grad()
 
 
-def _gathered(model: ToyNet, optim: torch.optim.Optimizer) -> tuple[Full, Full]:
+def _gathered(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[Full, Full]:
     """Full parameters, and full optimizer state as ``{"<fqn>.<name>": tensor}``."""
+    if isinstance(model, FSDP):  # flat shards: gathered by shard-checkpoint, under real names
+        full = sc.StateDictOptions(full_state_dict=True)
+        osd = sc.get_optimizer_state_dict(model, optim, options=full)
+        return sc.get_model_state_dict(model, options=full), {
+            f"{fqn}.{name}": value for fqn, v in osd["state"].items() for name, value in v.items()
+        }
     params = {k: v.full_tensor() for k, v in model.state_dict().items()}
     names = {id(p): n for n, p in model.named_parameters()}
     state: Full = {}
@@ -73,8 +86,8 @@ def _gathered(model: ToyNet, optim: torch.optim.Optimizer) -> tuple[Full, Full]:
     return params, state
 
 
-def _torch_to_shard(path: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
-    model, optim = _build(torch_side=True, zeroed=False)
+def _torch_to_shard(path: str, side: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
+    model, optim = _build("torch", zeroed=False)
     _train_one_step(model, optim)
     dcp.save(
         {
@@ -83,7 +96,7 @@ def _torch_to_shard(path: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
         },
         checkpoint_id=path,
     )
-    ours, our_optim = _build(torch_side=False, zeroed=True)
+    ours, our_optim = _build(side, zeroed=True)
     state: dict[str, Any] = {
         "model": sc.get_model_state_dict(ours),
         "optim": sc.get_optimizer_state_dict(ours, our_optim),
@@ -94,8 +107,8 @@ def _torch_to_shard(path: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
     return _gathered(model, optim), _gathered(ours, our_optim)
 
 
-def _shard_to_torch(path: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
-    ours, our_optim = _build(torch_side=False, zeroed=False)
+def _shard_to_torch(path: str, side: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
+    ours, our_optim = _build(side, zeroed=False)
     _train_one_step(ours, our_optim)
     sc.save(
         {
@@ -104,7 +117,7 @@ def _shard_to_torch(path: str) -> tuple[tuple[Full, Full], tuple[Full, Full]]:
         },
         checkpoint_id=path,
     )
-    model, optim = _build(torch_side=True, zeroed=True)
+    model, optim = _build("torch", zeroed=True)
     state: dict[str, Any] = {
         "model": torch_get_model_state_dict(model),
         "optim": torch_get_optimizer_state_dict(model, optim),
@@ -121,20 +134,28 @@ def _assert_equal(got: Full, want: Full) -> None:
         assert torch.equal(got[key], value), key
 
 
-def test_torch_fully_shard_checkpoint_loads_into_shard(rank_pool: RankPool, tmp_path: Path) -> None:
-    """Model and AdamW state saved from PyTorch's fully_shard load bit-identically into shard's."""
+@pytest.mark.parametrize("side", ["fully_shard", "wrapper"])
+def test_torch_fully_shard_checkpoint_loads_into_shard(
+    rank_pool: RankPool, tmp_path: Path, side: str
+) -> None:
+    """Model and AdamW state saved from PyTorch's fully_shard load bit-identically into shard's
+    fully_shard, and into shard's wrapper (flat shards)."""
     for (params, state), (got_params, got_state) in rank_pool.run(
-        _torch_to_shard, 2, str(tmp_path / "ckpt")
+        _torch_to_shard, 2, str(tmp_path / "ckpt"), side
     ):
         assert len(state) == 3 * len(params)  # step, exp_avg, exp_avg_sq per parameter
         _assert_equal(got_params, params)
         _assert_equal(got_state, state)
 
 
-def test_shard_checkpoint_loads_into_torch_fully_shard(rank_pool: RankPool, tmp_path: Path) -> None:
-    """Model and AdamW state saved from shard's fully_shard load bit-identically into PyTorch's."""
+@pytest.mark.parametrize("side", ["fully_shard", "wrapper"])
+def test_shard_checkpoint_loads_into_torch_fully_shard(
+    rank_pool: RankPool, tmp_path: Path, side: str
+) -> None:
+    """Model and AdamW state saved from shard's fully_shard or wrapper load bit-identically into
+    PyTorch's fully_shard."""
     for (params, state), (got_params, got_state) in rank_pool.run(
-        _shard_to_torch, 2, str(tmp_path / "ckpt")
+        _shard_to_torch, 2, str(tmp_path / "ckpt"), side
     ):
         assert len(state) == 3 * len(params)
         _assert_equal(got_params, params)

@@ -27,6 +27,7 @@ from shard_testing.models import ResidualBlock, ToyNet
 PER_BLOCK = ModuleWrapPolicy({ResidualBlock})
 FULL = StateDictType.FULL_STATE_DICT
 SHARDED = StateDictType.SHARDED_STATE_DICT
+LOCAL = StateDictType.LOCAL_STATE_DICT
 
 
 def _plain(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -108,16 +109,19 @@ def _round_trip(use_orig_params: bool, kind: StateDictType) -> dict[str, Any]:
     return {"full": full, "missing": result.missing_keys, "unexpected": result.unexpected_keys}
 
 
-@pytest.mark.parametrize("kind", [FULL, SHARDED], ids=["full", "sharded"])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", [FULL, SHARDED, LOCAL], ids=["full", "sharded", "local"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_state_dict_loads_into_another_wrapped_model(
-    rank_pool: RankPool, use_orig_params: bool, kind: StateDictType
+    rank_pool: RankPool, use_orig_params: bool, kind: StateDictType, world: int
 ) -> None:
-    """Loading one model's FULL or SHARDED state dict into another makes it equal to the first."""
+    """Loading one model's FULL, SHARDED or LOCAL state dict into another makes it equal to the
+    first, at 1 to 4 ranks."""
     expected = _plain(seed=0)
     assert not torch.equal(_plain(seed=1)["embed.weight"], expected["embed.weight"])
-    for result in rank_pool.run(_round_trip, 2, use_orig_params, kind):
+    for result in rank_pool.run(_round_trip, world, use_orig_params, kind):
         assert (result["missing"], result["unexpected"]) == ([], [])
+        assert list(result["full"]) == list(expected)
         for key, value in expected.items():
             torch.testing.assert_close(result["full"][key], value, rtol=0, atol=0)
 

@@ -859,13 +859,12 @@ def _summon_unit(
         all_gather(
             full_grad, local_grad, unit.shard_group, label=f"{unit.comm_label} summon"
         ).wait()
+    if rank0_only and dist.get_rank() != 0:
+        yield  # this rank only took part in the gather
+        return
     if offload_to_cpu:
         full = full.cpu()
         full_grad = full_grad.cpu() if full_grad is not None else None
-    show = not rank0_only or dist.get_rank() == 0
-    if not show:
-        yield
-        return
     rank = unit.mesh.get_local_rank(unit.mesh.ndim - 1)
     n = shard.numel()
     with group.full_precision_views(full):
