@@ -15,10 +15,7 @@ costs (lazy imports, caches) are not counted.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import gc
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -42,9 +39,9 @@ from shard_runtime import (
     fully_shard,
 )
 from shard_testing import RankPool
-from shard_testing.models import DIM_IN, DIM_OUT, HIDDEN, ResidualBlock
+from shard_testing.memory import MIB, PeakMeter, can_measure_peak
+from shard_testing.models import DIM_IN, DIM_OUT, HIDDEN, LinearStack, ResidualBlock
 
-MIB = 2**20
 METADATA = {"step": "100"}
 
 
@@ -280,32 +277,14 @@ LAYERS, WIDTH = 16, 1024
 UNIT_BYTES = WIDTH * WIDTH * 4  # 4 MiB: one layer, one unit
 MODEL_BYTES = LAYERS * UNIT_BYTES
 
-_LIBC = ctypes.util.find_library("c")
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 _can_measure = pytest.mark.skipif(
-    _LIBC is None
-    or not hasattr(ctypes.CDLL(_LIBC), "malloc_trim")
-    or not os.access(_CLEAR_REFS, os.W_OK),
+    not can_measure_peak(),
     reason="needs Linux's clear_refs and glibc's mallopt to measure peak memory honestly",
 )
 
 
-class Stack(nn.Module):
-    def __init__(self, layers: int = LAYERS, width: int = WIDTH) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _sharded_stack(front_end: str, layers: int = LAYERS, width: int = WIDTH) -> nn.Module:
-    model = Stack(layers, width)
+    model = LinearStack(layers, width)
     if front_end == "wrapper":
         return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -315,26 +294,14 @@ def _sharded_stack(front_end: str, layers: int = LAYERS, width: int = WIDTH) -> 
     return model
 
 
-def _status_bytes(field: str) -> int:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise AssertionError(f"no {field} in {_STATUS}")
-
-
 def _measured_export(front_end: str, directory: str) -> tuple[int, int] | None:
     """Rank 0's peak RSS growth during the export, and the largest gather it reports."""
     export_full_state_dict(_sharded_stack(front_end, 2, 8), f"{directory}/tiny.safetensors")
     model = _sharded_stack(front_end)
-    gc.collect()
-    assert _LIBC is not None
-    libc = ctypes.CDLL(_LIBC)
-    assert libc.mallopt(_M_MMAP_THRESHOLD, MIB) == 1
-    libc.malloc_trim(0)
-    _CLEAR_REFS.write_text("5")
-    baseline = _status_bytes("VmRSS")
+    meter = PeakMeter()
+    meter.start()
     report = export_full_state_dict(model, f"{directory}/model.safetensors")
-    growth = _status_bytes("VmHWM") - baseline
+    growth = meter.growth()
     return None if report is None else (growth, report.largest_gather_bytes)
 
 
@@ -350,7 +317,7 @@ def test_export_costs_rank0_one_unit_not_the_model(
     growth, largest = measured
     assert largest == UNIT_BYTES
     tensors, _ = read_safetensors(tmp_path / "model.safetensors")
-    expected = Stack().state_dict()
+    expected = LinearStack().state_dict()
     assert list(tensors) == list(expected)
     assert all(torch.equal(tensors[k], v) for k, v in expected.items())
     numbers = (

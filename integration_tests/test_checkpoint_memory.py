@@ -10,20 +10,13 @@ control, which does grow by the whole model. Consolidating a checkpoint of the
 model into one file, in one process, must stay under half the checkpoint's
 size.
 
-So that the allocator cannot hide an allocation in memory it kept from
-earlier frees, freed heap memory is returned to the OS before each
-measurement and allocations of 1 MiB or more are served by ``mmap`` (given
-back on free). The same call on a tiny model runs first, so that one-time
-costs (lazy imports and caches, tens of MiB in a fresh process) are not
-counted as the state dict's.
+Peaks are measured by ``shard_testing.memory.PeakMeter``. The same call on a
+tiny model runs first, so that one-time costs (lazy imports and caches, tens of
+MiB in a fresh process) are not counted as the state dict's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
-import os
 from pathlib import Path
 from typing import Any
 
@@ -44,38 +37,21 @@ from shard_checkpoint._safetensors import read_safetensors
 from shard_runtime import FullyShardedDataParallel as FSDP
 from shard_runtime import ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
+from shard_testing.memory import MIB, PeakMeter, can_measure_peak
+from shard_testing.models import LinearStack
 
 LAYERS, WIDTH = 16, 1024
 MODEL_BYTES = LAYERS * WIDTH * WIDTH * 4
-MIB = 2**20
 
-_LIBC = ctypes.util.find_library("c")
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 pytestmark = pytest.mark.skipif(
-    _LIBC is None
-    or not hasattr(ctypes.CDLL(_LIBC), "malloc_trim")
-    or not os.access(_CLEAR_REFS, os.W_OK),
+    not can_measure_peak(),
     reason="needs Linux's clear_refs and glibc's mallopt to measure peak memory honestly",
 )
 
 
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _sharded(front_end: str = "fully_shard", *, zeroed: bool = False) -> nn.Module:
     """The stack sharded per layer by ``fully_shard`` or by the wrapper (a unit per layer)."""
-    model: nn.Module = Stack()
+    model: nn.Module = LinearStack()
     if front_end == "wrapper":
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     else:
@@ -88,37 +64,6 @@ def _sharded(front_end: str = "fully_shard", *, zeroed: bool = False) -> nn.Modu
             for param in model.parameters():
                 param.zero_()
     return model
-
-
-class PeakMeter:
-    """Growth of this process's peak resident set size (``VmHWM``) since :meth:`start`.
-
-    Reads ``/proc/self/status`` rather than ``getrusage``: writing "5" to
-    ``/proc/self/clear_refs`` resets ``VmHWM``, but ``ru_maxrss`` also keeps
-    the peak of threads that have exited, which no reset clears.
-    """
-
-    def __init__(self) -> None:
-        self._baseline = 0
-
-    def start(self) -> None:
-        gc.collect()
-        assert _LIBC is not None
-        libc = ctypes.CDLL(_LIBC)
-        assert libc.mallopt(_M_MMAP_THRESHOLD, MIB) == 1
-        libc.malloc_trim(0)
-        _CLEAR_REFS.write_text("5")
-        self._baseline = _status_bytes("VmRSS")
-
-    def growth(self) -> int:
-        return _status_bytes("VmHWM") - self._baseline
-
-
-def _status_bytes(field: str) -> int:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024  # kB
-    raise AssertionError(f"no {field} in {_STATUS}")
 
 
 def _tiny(front_end: str = "fully_shard") -> nn.Module:
@@ -142,14 +87,14 @@ def _gather(cpu_offload: bool, front_end: str = "fully_shard") -> tuple[int, int
     meter.start()
     state = get_model_state_dict(model, options=options)
     growth = meter.growth()
-    expected = Stack().state_dict()
+    expected = LinearStack().state_dict()
     for key, value in state.items():
         assert torch.equal(value, expected[key]), key
     return growth, len(state)
 
 
 def _broadcast_load(front_end: str) -> tuple[int, bool]:
-    source: dict[str, Any] = Stack().state_dict() if dist.get_rank() == 0 else {}
+    source: dict[str, Any] = LinearStack().state_dict() if dist.get_rank() == 0 else {}
     model = _sharded(front_end, zeroed=True)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     tiny = _tiny(front_end)
@@ -160,7 +105,7 @@ def _broadcast_load(front_end: str) -> tuple[int, bool]:
     set_model_state_dict(model, source, options=options)
     growth = meter.growth()
     loaded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    expected = Stack().state_dict()
+    expected = LinearStack().state_dict()
     return growth, all(torch.equal(loaded[k], v) for k, v in expected.items())
 
 
@@ -226,7 +171,7 @@ def test_consolidate_costs_one_tensor_not_the_checkpoint(
         tensors, _ = read_safetensors(out)
     else:
         tensors = torch.load(out, weights_only=True)
-    expected = Stack().state_dict()
+    expected = LinearStack().state_dict()
     assert list(tensors) == list(expected)
     for key, value in expected.items():
         assert torch.equal(tensors[key], value), key

@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["DIM_IN", "DIM_OUT", "HIDDEN", "ResidualBlock", "ToyNet", "toy_batches"]
+__all__ = [
+    "DIM_IN",
+    "DIM_OUT",
+    "HIDDEN",
+    "LinearStack",
+    "ResidualBlock",
+    "ToyNet",
+    "toy_batches",
+]
 
 DIM_IN, HIDDEN, DIM_OUT = 6, 10, 3
 
@@ -61,3 +69,17 @@ def toy_batches(
         ]
         for _ in range(steps)
     ]
+
+
+class LinearStack(nn.Module):
+    """``layers`` bias-free ``width`` x ``width`` linear layers: equal units for memory tests."""
+
+    def __init__(self, layers: int = 16, width: int = 1024) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
