@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from shard_checkpoint import (
@@ -32,20 +31,15 @@ from shard_checkpoint import (
 )
 from shard_runtime import fully_shard
 from shard_testing import RankPool
-from shard_testing.models import DIM_IN, DIM_OUT, ToyNet
+from shard_testing.models import ToyNet
+from shard_testing.resume import (
+    STEPS,
+    Result,
+    assert_resumed,
+    train_step,
+)
 
-ROWS = 12
-STEPS = 3
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-Result = tuple[list[float], dict[str, torch.Tensor]]
-
-
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [
-        (torch.randn(ROWS, DIM_IN, generator=g), torch.randn(ROWS, DIM_OUT, generator=g))
-        for _ in range(STEPS)
-    ]
 
 
 def _build(*, zeroed: bool = False) -> tuple[ToyNet, torch.optim.Optimizer]:
@@ -61,31 +55,19 @@ def _build(*, zeroed: bool = False) -> tuple[ToyNet, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 
-def _step(model: ToyNet, optim: torch.optim.Optimizer, step: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = (t.chunk(world)[rank] for t in _data()[step])
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / world
-
-
 def _finish(model: ToyNet, losses: list[float]) -> Result:
     return losses, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 def _uninterrupted() -> Result:
     model, optim = _build()
-    return _finish(model, [_step(model, optim, s) for s in range(STEPS)])
+    return _finish(model, [train_step(model, optim, s) for s in range(STEPS)])
 
 
 def _first_two_steps(path: str, flat: bool) -> None:
     model, optim = _build()
     for step in range(STEPS - 1):
-        _step(model, optim, step)
+        train_step(model, optim, step)
     options = StateDictOptions(flatten_optimizer_state_dict=flat)
     save(
         {
@@ -106,13 +88,13 @@ def _resume(path: str, flat: bool) -> Result:
     load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"], options=options)
-    return _finish(model, [_step(model, optim, STEPS - 1)])
+    return _finish(model, [train_step(model, optim, STEPS - 1)])
 
 
 def _first_two_steps_full() -> tuple[dict[str, Any], dict[str, Any]]:
     model, optim = _build()
     for step in range(STEPS - 1):
-        _step(model, optim, step)
+        train_step(model, optim, step)
     return (
         get_model_state_dict(model, options=FULL_ON_RANK0),
         get_optimizer_state_dict(model, optim, options=FULL_ON_RANK0),
@@ -126,21 +108,7 @@ def _resume_from_rank0(model_state: dict[str, Any], optim_state: dict[str, Any])
     model, optim = _build(zeroed=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, optim, optim_state, options=options)
-    return _finish(model, [_step(model, optim, STEPS - 1)])
-
-
-def _assert_resumed(resumed: Result, reference: Result, *, exact: bool) -> None:
-    losses, params = resumed
-    ref_losses, ref_params = reference
-    assert list(params) == list(ref_params)
-    if exact:
-        assert losses == ref_losses[-1:]
-        for key, value in ref_params.items():
-            assert torch.equal(params[key], value), key
-    else:
-        torch.testing.assert_close(losses, ref_losses[-1:])
-        for key, value in ref_params.items():
-            torch.testing.assert_close(params[key], value, msg=lambda m, k=key: f"{k}: {m}")
+    return _finish(model, [train_step(model, optim, STEPS - 1)])
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
@@ -152,7 +120,7 @@ def test_resume_at_the_same_world_size_is_bit_identical(
     rank_pool.run(_first_two_steps, 2, path, flat)
     reference = rank_pool.run(_uninterrupted, 2)[0]
     for resumed in rank_pool.run(_resume, 2, path, flat):
-        _assert_resumed(resumed, reference, exact=True)
+        assert_resumed(resumed, reference, exact=True)
 
 
 def test_resume_at_another_world_size_continues_the_run(
@@ -163,7 +131,7 @@ def test_resume_at_another_world_size_continues_the_run(
     rank_pool.run(_first_two_steps, 2, path, False)
     reference = rank_pool.run(_uninterrupted, 2)[0]
     for resumed in rank_pool.run(_resume, 3, path, False):
-        _assert_resumed(resumed, reference, exact=False)
+        assert_resumed(resumed, reference, exact=False)
 
 
 def test_resume_from_full_state_dicts_broadcast_from_rank0(rank_pool: RankPool) -> None:
@@ -174,4 +142,4 @@ def test_resume_from_full_state_dicts_broadcast_from_rank0(rank_pool: RankPool) 
     assert set(optim_state) == {"state", "param_groups"}
     reference = rank_pool.run(_uninterrupted, 2)[0]
     for resumed in rank_pool.run(_resume_from_rank0, 3, model_state, optim_state):
-        _assert_resumed(resumed, reference, exact=False)
+        assert_resumed(resumed, reference, exact=False)

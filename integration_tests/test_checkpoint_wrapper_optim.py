@@ -48,22 +48,18 @@ from shard_runtime import (
 )
 from shard_runtime import FullyShardedDataParallel as FSDP
 from shard_testing import RankPool
-from shard_testing.models import DIM_IN, DIM_OUT, ResidualBlock, ToyNet
+from shard_testing.models import DIM_OUT, ResidualBlock, ToyNet
+from shard_testing.resume import (
+    STEPS,
+    Result,
+    assert_resumed,
+    resume_batches,
+    train_step,
+)
 
-ROWS = 12
-STEPS = 3
 FULL = StateDictType.FULL_STATE_DICT
 SHARDED = StateDictType.SHARDED_STATE_DICT
 LOCAL = StateDictType.LOCAL_STATE_DICT
-Result = tuple[list[float], dict[str, torch.Tensor]]
-
-
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [
-        (torch.randn(ROWS, DIM_IN, generator=g), torch.randn(ROWS, DIM_OUT, generator=g))
-        for _ in range(STEPS)
-    ]
 
 
 def _build(recipe: str, *, zeroed: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -99,39 +95,13 @@ def _build(recipe: str, *, zeroed: bool = False) -> tuple[nn.Module, torch.optim
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = (t.chunk(world)[rank] for t in _data()[step])
-    loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    total = loss.detach().clone()
-    dist.all_reduce(total)
-    return total.item() / world
-
-
 def _finish(model: nn.Module, losses: list[float]) -> Result:
     return losses, get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 def _uninterrupted(recipe: str) -> Result:
     model, optim = _build(recipe)
-    return _finish(model, [_step(model, optim, s) for s in range(STEPS)])
-
-
-def _assert_resumed(resumed: Result, reference: Result, *, exact: bool) -> None:
-    losses, params = resumed
-    ref_losses, ref_params = reference
-    assert list(params) == list(ref_params)
-    if exact:
-        assert losses == ref_losses[-1:]
-        for key, value in ref_params.items():
-            assert torch.equal(params[key], value), key
-    else:
-        torch.testing.assert_close(losses, ref_losses[-1:])
-        for key, value in ref_params.items():
-            torch.testing.assert_close(params[key], value, msg=lambda m, k=key: f"{k}: {m}")
+    return _finish(model, [train_step(model, optim, s) for s in range(STEPS)])
 
 
 # ------------------------------------------------------------------ sharded, through DCP
@@ -143,7 +113,7 @@ WRAPPER_API = ("flat", "orig", "root", "hybrid")  # the others use the functiona
 def _save_sharded(recipe: str, path: str) -> None:
     model, optim = _build(recipe)
     for step in range(STEPS - 1):
-        _step(model, optim, step)
+        train_step(model, optim, step)
     if recipe in WRAPPER_API:
         with FSDP.state_dict_type(model, SHARDED, ShardedStateDictConfig()):
             state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
@@ -171,7 +141,7 @@ def _resume_sharded(recipe: str, path: str) -> Result:
             load(state, checkpoint_id=path)
             model.load_state_dict(state["model"])
             FSDP.optim_state_dict_to_load(model, optim, state["optim"], load_directly=True)
-    return _finish(model, [_step(model, optim, STEPS - 1)])
+    return _finish(model, [train_step(model, optim, STEPS - 1)])
 
 
 @pytest.mark.parametrize("recipe", ["flat", "orig"])
@@ -183,7 +153,7 @@ def test_sharded_resume_at_the_same_world_size_is_bit_identical(
     rank_pool.run(_save_sharded, 2, recipe, path)
     reference = rank_pool.run(_uninterrupted, 2, recipe)[0]
     for resumed in rank_pool.run(_resume_sharded, 2, recipe, path):
-        _assert_resumed(resumed, reference, exact=True)
+        assert_resumed(resumed, reference, exact=True)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +168,7 @@ def test_sharded_resume_across_world_size_wrapping_and_front_end(
     rank_pool.run(_save_sharded, 2, saved, path)
     reference = rank_pool.run(_uninterrupted, 2, saved)[0]
     for result in rank_pool.run(_resume_sharded, 3, resumed, path):
-        _assert_resumed(result, reference, exact=False)
+        assert_resumed(result, reference, exact=False)
 
 
 def test_hybrid_wrapper_checkpoint_resumes_on_another_mesh(
@@ -209,9 +179,9 @@ def test_hybrid_wrapper_checkpoint_resumes_on_another_mesh(
     rank_pool.run(_save_sharded, 4, "hybrid", path)
     reference = rank_pool.run(_uninterrupted, 4, "hybrid")[0]
     for result in rank_pool.run(_resume_sharded, 4, "hybrid", path):
-        _assert_resumed(result, reference, exact=True)
+        assert_resumed(result, reference, exact=True)
     for result in rank_pool.run(_resume_sharded, 2, "flat", path):
-        _assert_resumed(result, reference, exact=False)
+        assert_resumed(result, reference, exact=False)
 
 
 # ------------------------------------------------------------------ full, in memory
@@ -220,7 +190,7 @@ def test_hybrid_wrapper_checkpoint_resumes_on_another_mesh(
 def _full_after_two(recipe: str) -> dict[str, Any]:
     model, optim = _build(recipe)
     for step in range(STEPS - 1):
-        _step(model, optim, step)
+        train_step(model, optim, step)
     config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     with FSDP.state_dict_type(model, FULL, config):
         model_state = model.state_dict()
@@ -243,7 +213,7 @@ def _resume_full(recipe: str, state: dict[str, Any], how: str) -> Result:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, state["model"] if rank0 else {}, options=options)
         set_optimizer_state_dict(model, optim, full if rank0 else {}, options=options)
-        return _finish(model, [_step(model, optim, STEPS - 1)])
+        return _finish(model, [train_step(model, optim, STEPS - 1)])
     else:  # the optimizer config asks for rank 0 only: the rest pass nothing
         rank0 = dist.get_rank() == 0
         model_state = state["model"]
@@ -252,7 +222,7 @@ def _resume_full(recipe: str, state: dict[str, Any], how: str) -> Result:
             loadable = FSDP.optim_state_dict_to_load(model, optim, full if rank0 else {})
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
     optim.load_state_dict(loadable)
-    return _finish(model, [_step(model, optim, STEPS - 1)])
+    return _finish(model, [train_step(model, optim, STEPS - 1)])
 
 
 def test_full_optim_state_dict_is_on_rank0_keyed_by_name(rank_pool: RankPool) -> None:
@@ -282,7 +252,7 @@ def test_full_optim_state_dict_resumes_on_three_ranks(rank_pool: RankPool, how: 
     state = rank_pool.run(_full_after_two, 2, "orig")[0]
     reference = rank_pool.run(_uninterrupted, 2, "orig")[0]
     for result in rank_pool.run(_resume_full, 3, "flat", state, how):
-        _assert_resumed(result, reference, exact=False)
+        assert_resumed(result, reference, exact=False)
 
 
 def _rekeyed(state: dict[str, Any]) -> dict[str, Any]:
@@ -327,7 +297,7 @@ def _mixed_precision_dtypes() -> dict[str, Any]:
         _WithBuffer(), auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}), mixed_precision=mp
     )
     optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    _step(model, optim, 0)
+    train_step(model, optim, 0)
     out: dict[str, Any] = {"live_buffer": model.scale.dtype}
     for kind in (FULL, SHARDED, LOCAL):
         with FSDP.state_dict_type(model, kind):
@@ -393,7 +363,7 @@ def test_local_shards_refuse_another_world_size(rank_pool: RankPool) -> None:
 def _local_round_trip(path: str, write: bool) -> dict[str, torch.Tensor] | None:
     model, optim = _build("flat", zeroed=not write)
     if write:
-        _step(model, optim, 0)
+        train_step(model, optim, 0)
     with FSDP.state_dict_type(model, LOCAL):
         state = {"model": model.state_dict()}
         if write:
@@ -421,7 +391,7 @@ def test_local_state_dict_round_trips_through_a_checkpoint(
 def _first_step_plain() -> dict[str, torch.Tensor]:
     model = ToyNet()
     optim = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    x, y = _data()[0]
+    x, y = resume_batches()[0]
     nn.functional.mse_loss(model(x), y).backward()
     optim.step()
     return {k: v.detach() for k, v in model.state_dict().items()}

@@ -213,7 +213,7 @@ def model_state_dict(
             if offload_to_cpu:
                 value = to_cpu(value)
         out[key] = value
-    params.update(n for n, _ in model.named_parameters(remove_duplicate=False))
+    params.update(clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False))
     return in_module_order(model, out, params)
 
 
@@ -299,7 +299,7 @@ def load_model_state_dict(
         for unit in units
     ]
     owned = [key for keys in unit_keys for key in keys]
-    params = {*owned, *(n for n, _ in model.named_parameters(remove_duplicate=False))}
+    params = {*owned, *(clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False))}
     expected = list(in_module_order(model, dict.fromkeys([*owned, *targets]), params))
     if broadcast_from_rank0:
         manifest = _manifest_from_rank0(state_dict)
