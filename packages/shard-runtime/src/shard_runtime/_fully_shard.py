@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from shard_comms import build_mesh, get_device_handle
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike
+from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from shard_runtime._param import ParamOwner, ShardedParam
 from shard_runtime._per_param import PerParamGroup
@@ -269,6 +270,7 @@ def fully_shard(
             child.parent = state
     state.name_inner_units()
     unit.reshard()
+    mark_managed_modules(modules)  # See [Note: torch.compile] in _compile.py.
     for m in modules:
         cls = type(m)
         if not isinstance(m, FSDPModule):
@@ -293,9 +295,13 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}"
         )
 
+    # See [Note: torch.compile] in _compile.py.
+    pre_forward = eager_hook(state.pre_forward, f"pre-forward of {method_name}")
+    post_forward = eager_hook(state.post_forward, f"post-forward of {method_name}")
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(module, args, kwargs)
-        return state.post_forward(module, method(*args, **kwargs))
+        args, kwargs = pre_forward(module, args, kwargs)
+        return post_forward(module, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 

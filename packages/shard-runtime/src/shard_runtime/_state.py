@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from shard_runtime._compile import eager_hook
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._tree import iter_tensors, map_tensors
@@ -114,10 +115,16 @@ class ShardState:
         # - grouped modules: reshard once the last of them has run forward
         self._forwards_done: set[int] = set()
         unit.on_all_grads_ready = self._on_all_grads_ready
+        # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
+        #   in _compile.py
+        self._pre_backward_entry = eager_hook(self._pre_backward_hook, "pre-backward hook")
+        self._end_of_backward_entry = eager_hook(self._end_of_backward, "end-of-backward callback")
+        pre_forward_entry = eager_hook(self._pre_forward_hook, "pre-forward hook")
+        post_forward_entry = eager_hook(self._post_forward_hook, "post-forward hook")
         for module in modules:
             module.__dict__[_STATE_ATTR] = self
-            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward_hook, with_kwargs=True)
+            module.register_forward_pre_hook(pre_forward_entry, prepend=True, with_kwargs=True)
+            module.register_forward_hook(post_forward_entry, with_kwargs=True)
             module.register_state_dict_pre_hook(self._state_dict_pre_hook)  # type: ignore[no-untyped-call]
 
     @property
@@ -233,7 +240,7 @@ class ShardState:
         if grad_enabled:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward_hook)  # type: ignore[no-untyped-call]
+                    tensor.register_hook(self._pre_backward_entry)  # type: ignore[no-untyped-call]
         if self.mp_policy.output_dtype is not None:
             dtype = self.mp_policy.output_dtype
             output = map_tensors(lambda t: _cast_floating(t, dtype), output)
@@ -251,7 +258,7 @@ class ShardState:
         assert root is not None
         if not root._final_callback_queued:
             root._final_callback_queued = True
-            Variable._execution_engine.queue_callback(root._end_of_backward)
+            Variable._execution_engine.queue_callback(root._end_of_backward_entry)
         if self.unit.training_state is TrainingState.PRE_BACKWARD:
             return
         self.unit.training_state = TrainingState.PRE_BACKWARD

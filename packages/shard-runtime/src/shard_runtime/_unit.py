@@ -29,6 +29,7 @@ from shard_comms import (
 )
 from shard_core.protocols import CommHook, EventLike
 from shard_runtime._comm import streams_for
+from shard_runtime._compile import eager_hook
 from shard_runtime._group import ParamGroup
 from shard_runtime._options import MixedPrecisionPolicy
 
@@ -155,9 +156,9 @@ class Unit:
 
     def init_compute(self) -> None:
         """(Re)build the unsharded face in the compute dtype and hook its gradients."""
-        self.group.init_compute(
-            self.mp_policy.param_dtype, self.compute_device, self._on_grad_ready
-        )
+        # See [Note: torch.compile] in _compile.py.
+        on_grad_ready = eager_hook(self._on_grad_ready, "post-accumulate-grad hook")
+        self.group.init_compute(self.mp_policy.param_dtype, self.compute_device, on_grad_ready)
 
     def reset_after_apply(self) -> None:
         """Adopt new sharded tensors after ``module._apply`` (``.to()``, ``to_empty()``)."""
