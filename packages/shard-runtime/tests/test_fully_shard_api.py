@@ -158,7 +158,7 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
     )
     assert errors["mesh3d"].startswith("ValueError: fully_shard: mesh must be 1-D (shard) or 2-D")
     assert errors["mesh2d_unnamed"].startswith(
-        "ValueError: fully_shard: a 2-D mesh needs axis names"
+        "AssertionError: fully_shard: a 2-D mesh needs axis names"
     )
     assert errors["child_first"].startswith(
         "RuntimeError: fully_shard: the forward of Linear ('0') ran before the first forward "

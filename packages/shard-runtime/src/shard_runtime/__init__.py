@@ -14,7 +14,12 @@ from shard_runtime._fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from shard_runtime._options import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from shard_runtime._state import clean_fqn
 from shard_runtime._state_dict_type import (
     FullOptimStateDictConfig,
@@ -44,6 +49,7 @@ __all__ = [
     "CPUOffload",
     "CPUOffloadPolicy",
     "CustomPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "FlatUnit",
     "FlatUnitParam",

@@ -9,21 +9,26 @@ and backward. Apply it bottom-up (blocks first, then the root).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 
 from shard_comms import build_mesh, get_device_handle
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike
 from shard_runtime._compile import eager_hook, mark_managed_modules
-from shard_runtime._options import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from shard_runtime._param import ParamOwner, ShardedParam
+from shard_runtime._options import (
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param import PerParamGroup
 from shard_runtime._state import ShardState, get_state, states_in
 from shard_runtime._unit import PostForwardGroup, Unit
@@ -169,9 +174,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> _M: ...
 
 
@@ -181,9 +188,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
 ) -> list[nn.Module]: ...
 
 
@@ -192,9 +201,11 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int = True,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters on dim 0 across ``mesh`` and hook its forward/backward.
 
@@ -203,6 +214,10 @@ def fully_shard(
             (parameters they share, tied weights say, are then gathered once).
         mesh: a 1-D mesh (shard) or a 2-D mesh (replicate, shard) with axis
             names. ``None``: a 1-D mesh over the default process group.
+            Parameters that are DTensors on other axes of the same mesh
+            (tensor parallelism: ``parallelize_module(block, mesh["tp"], ...)``)
+            are sharded again over this mesh; see [Note: sharding a
+            tensor-parallel parameter] in ``_param.py``.
         reshard_after_forward: ``True`` frees the full parameters after forward
             and gathers them again for backward; ``False`` keeps them until the
             end of backward (no second all-gather). The root always keeps them.
@@ -213,6 +228,13 @@ def fully_shard(
         mp_policy: dtypes of compute, reduction and outputs.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on the CPU.
         ignored_params: parameters left alone (neither sharded nor reduced).
+        shard_placement_fn: called with each parameter; ``Shard(dim)`` shards it
+            on ``dim`` (negative counts from the end; the dim must divide evenly
+            unless it is 0), ``None`` on dim 0.
+        dp_mesh_dims: names the data-parallel axes of ``mesh``, which is then
+            the whole mesh: every parameter must be a DTensor on it, replicated
+            on those axes, and is sharded over ``shard`` (replicated over
+            ``replicate``, HSDP).
 
     Returns:
         ``module`` itself (its class now also derives from :class:`FSDPModule`).
@@ -223,7 +245,8 @@ def fully_shard(
     for m in modules:
         _check_has_forward(m)
     mesh = mesh if mesh is not None else _default_mesh()
-    _check_mesh(mesh)
+    _check_mesh(mesh, dp_mesh_dims)
+    mesh, dp_axes = _data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     keep_after_forward, post_forward_size = _resolve_reshard_after_forward(
         reshard_after_forward, mesh
     )
@@ -242,7 +265,16 @@ def fully_shard(
     )
     sharded = [
         ShardedParam.create(
-            fqn, param, owners, mesh=mesh, shard_device=shard_device, pin_memory=pin
+            fqn,
+            param,
+            owners,
+            mesh=mesh,
+            shard_device=shard_device,
+            pin_memory=pin,
+            shard_dim=resolve_shard_dim(
+                fqn, param, None if shard_placement_fn is None else shard_placement_fn(param)
+            ),
+            dp_axes=dp_axes,
         )
         for fqn, param, owners in params
     ]
@@ -346,17 +378,71 @@ def _default_mesh() -> DeviceMesh:
     return mesh
 
 
-def _check_mesh(mesh: DeviceMesh) -> None:
+def _check_mesh(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None) -> None:
+    if dp_mesh_dims is not None:
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims={dp_mesh_dims} names mesh axes, but the mesh of "
+                f"shape {tuple(mesh.shape)} has no axis names; build it with "
+                "init_device_mesh(..., mesh_dim_names=(...))"
+            )
+        for name in (*dp_mesh_dims.shard_names, *dp_mesh_dims.replicate_names):
+            if name not in names:
+                raise ValueError(
+                    f"fully_shard: dp_mesh_dims names the axis {name!r}, but the mesh's axes are "
+                    f"{names}; name axes of the mesh passed to fully_shard"
+                )
+        return
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh must be 1-D (shard) or 2-D (replicate, shard), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
+        # AssertionError, as PyTorch's fully_shard raises here.
+        raise AssertionError(
             f"fully_shard: a 2-D mesh needs axis names, e.g. init_device_mesh(..., "
             f"{tuple(mesh.shape)}, mesh_dim_names=('replicate', 'shard'))"
         )
+
+
+def _data_parallel_mesh(
+    mesh: DeviceMesh, dims: DataParallelMeshDims | None, reshard_after_forward: object
+) -> tuple[DeviceMesh, DataParallelAxes | None]:
+    """The mesh the unit communicates over and, with ``dims``, where its axes are in ``mesh``.
+
+    Several names on one side are flattened into one axis, so the unit sees a
+    1-D (shard) or 2-D (replicate, shard) mesh either way.
+    """
+    if dims is None:
+        return mesh, None
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) does not "
+            "combine with dp_mesh_dims; pass True or False"
+        )
+    if not dims.shard_names:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dims} only replicates (DDP); name a shard axis too "
+            "(DataParallelMeshDims(shard=...))"
+        )
+    names = mesh.mesh_dim_names
+    assert names is not None  # _check_mesh
+
+    def axis(group: tuple[str, ...]) -> DeviceMesh:
+        return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
+
+    shard = axis(dims.shard_names)
+    dp_mesh = shard
+    if dims.replicate_names:
+        dp_mesh = DeviceMesh._concatenate([axis(dims.replicate_names), shard])
+    axes = DataParallelAxes(
+        spmd_mesh=mesh,
+        shard=tuple(names.index(n) for n in dims.shard_names),
+        replicate=tuple(names.index(n) for n in dims.replicate_names),
+    )
+    return dp_mesh, axes
 
 
 def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[bool, int | None]:
@@ -450,11 +536,9 @@ def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Mod
             f"{where}; a parameter shared by two units must be in one unit: pass the modules "
             "that share it as a list to one fully_shard call"
         )
-    if isinstance(param, DTensor):  # sharded by a call outside this module tree
-        raise ValueError(
-            f"fully_shard({label}): parameter {fqn!r} is already a DTensor; shard a module once, "
-            "and apply fully_shard to inner modules before outer ones"
-        )
+    # A DTensor parameter not sharded by a unit is split by tensor (or expert)
+    # parallelism, or distributed over the whole mesh for dp_mesh_dims; whether
+    # its mesh combines with fully_shard's is checked by ShardedParam.create.
     if param.dim() == 0:
         raise LayoutError(
             f"fully_shard({label}): parameter {fqn!r} is a scalar (0-d); sharding splits dim 0, "

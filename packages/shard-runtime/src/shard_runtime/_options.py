@@ -1,4 +1,4 @@
-"""User options of ``fully_shard``: mixed precision and offloading.
+"""User options of ``fully_shard``: mixed precision, offloading and data-parallel mesh axes.
 
 Same names, fields and defaults as PyTorch's ``fully_shard`` options, so a
 script switches by changing its import line.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,47 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class DataParallelMeshDims:
+    """Names of the data-parallel axes of a whole mesh, for ``fully_shard(dp_mesh_dims=...)``.
+
+    With it, ``mesh`` is the whole mesh (data and model parallel axes) and
+    every parameter is already a DTensor on it, ``Replicate()`` on the axes
+    named here; ``fully_shard`` shards them over those axes.
+
+    Attributes:
+        shard: the axis name (or names, flattened into one axis) parameters are
+            sharded over. ``None``: no sharding axis.
+        replicate: the axis name (or names, flattened) shards are replicated
+            over (HSDP). ``None``: no replication axis.
+
+    At least one of them must be given.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError(
+                "DataParallelMeshDims: give shard= (the axis to shard parameters over) and/or "
+                "replicate= (the axis to replicate shards over); both are None"
+            )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """``shard`` as a tuple of axis names (empty when ``None``)."""
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        """``replicate`` as a tuple of axis names (empty when ``None``)."""
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -3,15 +3,20 @@
 A :class:`ShardedParam` owns both faces of one original parameter:
 
 - the *sharded* face, registered on the module between steps: an
-  ``nn.Parameter`` holding a ``DTensor`` placed ``Shard(0)`` (or
-  ``(Replicate(), Shard(0))`` on a 2-D mesh) whose local tensor is
-  ``torch.chunk(full, n, dim=0)[rank]``. Its data lives in a padded buffer of
-  ``ceil(dim0 / n)`` rows so every rank contributes the same number of bytes
-  to an all-gather; the local tensor is a view of the first rows, so the
-  optimizer's in-place updates land directly in what the next all-gather sends.
-- the *unsharded* face, registered while the unit computes: a plain leaf
-  ``nn.Parameter`` of the full shape (in the compute dtype), a view of a padded
-  buffer of ``n * ceil(dim0 / n)`` rows. Its storage is released when the unit
+  ``nn.Parameter`` holding a ``DTensor`` whose local tensor is
+  ``torch.chunk(data, n, dim=shard_dim)[rank]``, where ``data`` is the
+  parameter (or, for a parameter already split by tensor parallelism, its
+  local tensor) and ``n`` the size of the mesh's shard axis. ``shard_dim`` is
+  0 unless ``shard_placement_fn`` says otherwise. Its data lives in a padded
+  buffer of ``ceil(size / n)`` slices along ``shard_dim`` so every rank
+  contributes the same number of bytes to an all-gather; the local tensor is a
+  view of its first slices, so the optimizer's in-place updates land directly
+  in what the next all-gather sends.
+- the *unsharded* face, registered while the unit computes: a leaf
+  ``nn.Parameter`` of ``data``'s shape (in the compute dtype), a view of a
+  padded buffer of ``n * ceil(size / n)`` slices. For a tensor-parallel
+  parameter it is a ``DTensor`` with the tensor-parallel mesh and placements
+  it had before ``fully_shard``. Its storage is released when the unit
   reshards and re-grown before the next all-gather writes into it, so the
   ``Parameter`` object autograd saw stays the same across the step.
 
@@ -20,21 +25,43 @@ Writing the all-gathered data into the unsharded parameter is an in-place
 operation on a tensor that autograd may have saved during forward. The write
 restores the exact values autograd saved, so it is hidden from autograd's
 version check; anything else would make every backward after a reshard fail.
+
+[Note: sharding a tensor-parallel parameter]
+A parameter that ``parallelize_module`` already split over a "tp" axis is a
+DTensor on the tp mesh. ``fully_shard(mesh=mesh["dp"])`` shards its *local*
+tensor again over the data-parallel axis, so the collectives only ever move
+local tensors over the dp group (gradients reduce over dp only) and the
+compute face is the original tp DTensor. The sharded face is one DTensor on
+the mesh (dp axes first, then the tp axes) whose placements compose both:
+``Shard(d)`` on the dp axis followed by the tp placements. When tp already
+shards the same dim ``d`` over ``k`` ranks, the dp piece is a piece *of each
+tp piece*, not a contiguous block of the full tensor: DTensor spells that
+``_StridedShard(d, split_factor=k)``. With ``dp_mesh_dims`` the parameter is
+a DTensor on the whole mesh, replicated on its data-parallel axes; the
+sharded face replaces those axes' ``Replicate()`` by the same dp placement.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shard_core import contiguous_stride
 
-__all__ = ["ParamOwner", "ShardedParam"]
+__all__ = [
+    "DataParallelAxes",
+    "ParamOwner",
+    "ShardedParam",
+    "resolve_shard_dim",
+    "tp_data_parallel_mesh",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +72,34 @@ class ParamOwner:
     name: str
 
 
+@dataclass(frozen=True, slots=True)
+class DataParallelAxes:
+    """The data-parallel axes of a whole mesh, from ``fully_shard(..., dp_mesh_dims=...)``.
+
+    Attributes:
+        spmd_mesh: the mesh every parameter is a DTensor on.
+        shard: indices of the axes the parameters are sharded over (flattened
+            into one shard axis when several).
+        replicate: indices of the axes the shards are replicated over (HSDP);
+            empty for plain FSDP.
+    """
+
+    spmd_mesh: DeviceMesh
+    shard: tuple[int, ...]
+    replicate: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a parameter's shards live: mesh and placements of both faces."""
+
+    data: torch.Tensor  # ND: the tensor to shard (the parameter, or its tp local tensor)
+    sharded_mesh: DeviceMesh
+    sharded_placements: tuple[Placement, ...]
+    unsharded_spec: DTensorSpec | None  # the compute face's DTensor spec; None: a plain tensor
+    dp_axes: frozenset[int]  # axes of the unsharded spec that are data parallel (spmd mesh)
+
+
 @dataclass(eq=False, slots=True)
 class ShardedParam:
     """Sharded and unsharded faces of one parameter; see the module docstring."""
@@ -52,20 +107,25 @@ class ShardedParam:
     fqn: str  # qualified name in the outermost sharded module known so far
     local_name: str  # qualified name in the module(s) of its own unit
     owners: list[ParamOwner]
-    full_shape: torch.Size
+    full_shape: torch.Size  # the parameter's global shape (the sharded DTensor's shape)
+    data_shape: torch.Size  # what the unit gathers: full_shape, or the tp local tensor's shape
     requires_grad: bool
-    # - sharding
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
+    # - sharding ("rows" are slices along shard_dim)
+    mesh: DeviceMesh  # the data-parallel mesh the unit communicates over
+    dtensor_mesh: DeviceMesh  # the sharded DTensor's mesh: mesh, or the mesh with tp axes
+    placements: tuple[Placement, ...]  # the sharded DTensor's placements
+    shard_dim: int
     shard_rank: int
     shard_world: int
-    padded_rows: int  # ceil(dim0 / shard_world): rows each rank contributes
+    padded_rows: int  # ceil(data_shape[shard_dim] / shard_world): rows each rank contributes
     local_rows: int  # rows of the real (unpadded) local shard
     # - sharded face
-    padded_shard: torch.Tensor  # ND, (padded_rows, *full_shape[1:]), sharded dtype
-    sharded_param: nn.Parameter  # DTensor parameter, local = padded_shard[:local_rows]
+    padded_shard: torch.Tensor  # ND, padded_shape, sharded dtype
+    sharded_param: nn.Parameter  # DTensor parameter, local = first local_rows of padded_shard
     # - unsharded face (compute dtype), storage released while sharded
-    unsharded_padded: torch.Tensor = field(init=False)  # ND, (padded_rows * shard_world, ...)
+    unsharded_spec: DTensorSpec | None = None  # tp DTensor spec of the compute face
+    dp_axes: frozenset[int] = frozenset()  # data-parallel axes of unsharded_spec's mesh
+    unsharded_padded: torch.Tensor = field(init=False)  # ND, padded_rows * shard_world rows
     unsharded_param: nn.Parameter = field(init=False)
 
     # -------------------------------------------------------------- creation
@@ -80,65 +140,103 @@ class ShardedParam:
         mesh: DeviceMesh,
         shard_device: torch.device,
         pin_memory: bool = False,
+        shard_dim: int = 0,
+        dp_axes: DataParallelAxes | None = None,
     ) -> ShardedParam:
-        """Shard ``param`` (a plain full tensor) over the last axis of ``mesh``.
+        """Shard ``param`` on ``shard_dim`` over the last axis of ``mesh``.
 
-        ``pin_memory`` pins the shard (CPU offload with an accelerator) so its
-        copies to the device can run asynchronously.
+        ``param`` is a plain tensor, or a DTensor split by tensor parallelism
+        (or, with ``dp_axes``, a DTensor on the whole mesh); see [Note:
+        sharding a tensor-parallel parameter]. ``shard_dim`` must be
+        normalized (see :func:`resolve_shard_dim`). ``pin_memory`` pins the
+        shard (CPU offload with an accelerator) so its copies to the device
+        can run asynchronously.
         """
         shard_world = mesh.size(-1)
-        shard_rank = mesh.get_local_rank(-1) if mesh.ndim > 1 else mesh.get_local_rank()
-        placements: tuple[Placement, ...] = (
-            (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-        )
-        full_shape = param.shape
-        dim0 = full_shape[0]
-        padded_rows = math.ceil(dim0 / shard_world)
-        start = min(shard_rank * padded_rows, dim0)
-        local_rows = min(padded_rows, dim0 - start)
-        if param.device.type == "meta":  # stays on meta until module.to_empty(...)
-            shard_device = param.device
-        padded_shard = torch.zeros(
-            (padded_rows, *full_shape[1:]), dtype=param.dtype, device=shard_device
-        )
-        if param.device.type != "meta":
+        shard_rank = mesh.get_local_rank(mesh.ndim - 1)
+        layout = _layout(fqn, param, mesh, shard_dim, dp_axes)
+        data = layout.data
+        data_shape = data.shape
+        size = data_shape[shard_dim]
+        if shard_dim != 0 and size % shard_world != 0:
+            raise NotImplementedError(
+                f"fully_shard: parameter {fqn!r} is sharded on dim {shard_dim}, whose size "
+                f"{size} (shape {tuple(data_shape)}) does not divide evenly over {shard_world} "
+                "ranks; only dim 0 may be split unevenly: return Shard(0) (or None) from "
+                "shard_placement_fn for it"
+            )
+        padded_rows = math.ceil(size / shard_world)
+        start = min(shard_rank * padded_rows, size)
+        local_rows = min(padded_rows, size - start)
+        if data.device.type == "meta":  # stays on meta until module.to_empty(...)
+            shard_device = data.device
+        padded_shape = _with_dim(data_shape, shard_dim, padded_rows)
+        padded_shard = torch.zeros(padded_shape, dtype=data.dtype, device=shard_device)
+        if data.device.type != "meta":
             with torch.no_grad():
-                padded_shard[:local_rows].copy_(param.detach()[start : start + local_rows])
+                padded_shard.narrow(shard_dim, 0, local_rows).copy_(
+                    data.detach().narrow(shard_dim, start, local_rows)
+                )
             if pin_memory:
                 padded_shard = padded_shard.pin_memory()
+        full_shape = param.shape
         sharded_param = _make_sharded_param(
-            padded_shard[:local_rows], mesh, placements, full_shape, param.requires_grad
+            padded_shard.narrow(shard_dim, 0, local_rows),
+            layout.sharded_mesh,
+            layout.sharded_placements,
+            full_shape,
+            param.requires_grad,
         )
         self = cls(
             fqn=fqn,
             local_name=fqn,
             owners=owners,
             full_shape=full_shape,
+            data_shape=data_shape,
             requires_grad=param.requires_grad,
             mesh=mesh,
-            placements=placements,
+            dtensor_mesh=layout.sharded_mesh,
+            placements=layout.sharded_placements,
+            shard_dim=shard_dim,
             shard_rank=shard_rank,
             shard_world=shard_world,
             padded_rows=padded_rows,
             local_rows=local_rows,
             padded_shard=padded_shard,
             sharded_param=sharded_param,
+            unsharded_spec=layout.unsharded_spec,
+            dp_axes=layout.dp_axes,
         )
-        self.init_unsharded(param.dtype, shard_device)
+        self.init_unsharded(data.dtype, shard_device)
         return self
 
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """(Re)create the unsharded face in ``dtype`` on ``device``, storage released."""
         rows = self.padded_rows * self.shard_world
         self.unsharded_padded = torch.empty(
-            (rows, *self.full_shape[1:]), dtype=dtype, device=device
+            _with_dim(self.data_shape, self.shard_dim, rows), dtype=dtype, device=device
         )
-        self.unsharded_param = nn.Parameter(
-            self.unsharded_padded[: self.full_shape[0]], requires_grad=self.requires_grad
-        )
+        data = self.unsharded_padded.narrow(self.shard_dim, 0, self.data_shape[self.shard_dim])
+        spec = self.unsharded_spec
+        if spec is not None:
+            meta = spec.tensor_meta
+            if meta is not None and meta.dtype != dtype:
+                spec = replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
+            data = DTensor(data, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         self.free_unsharded()
 
     # -------------------------------------------------------------- sizes
+
+    @property
+    def padded_shape(self) -> torch.Size:
+        """Shape of one rank's padded shard."""
+        return _with_dim(self.data_shape, self.shard_dim, self.padded_rows)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """Shape of this rank's real (unpadded) shard: the sharded DTensor's local tensor."""
+        return _with_dim(self.data_shape, self.shard_dim, self.local_rows)
 
     @property
     def padded_numel(self) -> int:
@@ -147,8 +245,8 @@ class ShardedParam:
 
     @property
     def row_numel(self) -> int:
-        """Elements in one dim-0 row."""
-        return math.prod(self.full_shape[1:])
+        """Elements in one dim-0 row of the gathered tensor."""
+        return math.prod(self.data_shape[1:])
 
     # -------------------------------------------------------------- storage
 
@@ -171,8 +269,74 @@ class ShardedParam:
         return self.unsharded_padded.untyped_storage().size() != 0
 
     def unsharded_rows_view(self) -> torch.Tensor:
-        """The padded unsharded buffer as ``(shard_world, padded_numel)``, for copy-out."""
+        """The padded unsharded buffer as ``(shard_world, padded_numel)``, for copy-out.
+
+        Only for ``shard_dim == 0``: on another dim each rank's block is
+        strided (see :meth:`unsharded_blocks`).
+        """
+        assert self.shard_dim == 0
         return self.unsharded_padded.view(self.shard_world, self.padded_numel)
+
+    def unsharded_blocks(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """``tensor`` (default: the padded unsharded buffer) as ``(shard_world, *padded_shape)``.
+
+        A view: rank ``r``'s block is ``[r]``, whichever dim is sharded.
+        """
+        t = self.unsharded_padded if tensor is None else tensor.contiguous()
+        d = self.shard_dim
+        split = (
+            *self.data_shape[:d],
+            self.shard_world,
+            self.padded_rows,
+            *self.data_shape[d + 1 :],
+        )
+        return t.view(split).movedim(d, 0)
+
+    def write_gathered(self, blocks: torch.Tensor) -> None:
+        """Copy the all-gathered blocks (``(shard_world, padded_numel)``) into the full buffer."""
+        if self.shard_dim == 0:
+            self.unsharded_rows_view().copy_(blocks)
+        else:
+            self.unsharded_blocks().copy_(blocks.view(self.shard_world, *self.padded_shape))
+
+    def read_gathered(self, ranks: slice, out: torch.Tensor) -> None:
+        """Copy the unsharded blocks of ``ranks`` into ``out`` (``(len, padded_numel)``)."""
+        if self.shard_dim == 0:
+            out.copy_(self.unsharded_rows_view()[ranks])
+        else:
+            blocks = self.unsharded_blocks()[ranks]
+            out.view(blocks.shape).copy_(blocks)
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient as a plain tensor of ``data_shape`` (``None``: no gradient).
+
+        A tensor-parallel gradient is first brought to the parameter's own
+        placements on the non-data-parallel axes (a ``Partial`` tp gradient is
+        reduced over tp here; data-parallel axes are left to the reduction).
+        """
+        grad = self.unsharded_param.grad
+        if grad is None or not isinstance(grad, DTensor):
+            return grad
+        spec = self.unsharded_spec
+        assert spec is not None
+        target = tuple(
+            have if axis in self.dp_axes else want
+            for axis, (have, want) in enumerate(zip(grad.placements, spec.placements, strict=True))
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
+        local = grad.to_local()
+        assert isinstance(local, torch.Tensor)
+        return local
+
+    def version_tensors(self) -> list[torch.Tensor]:
+        """The unsharded tensors whose version counters a gather write must preserve."""
+        param = self.unsharded_param
+        if isinstance(param, DTensor):
+            local = param.to_local()
+            assert isinstance(local, torch.Tensor)
+            return [param, local]
+        return [param]
 
     # -------------------------------------------------------------- registration
 
@@ -201,14 +365,13 @@ class ShardedParam:
             and local.data_ptr() == self.padded_shard.data_ptr()
         ):
             return
-        padded = torch.zeros(
-            (self.padded_rows, *self.full_shape[1:]), dtype=local.dtype, device=local.device
-        )
+        padded = torch.zeros(self.padded_shape, dtype=local.dtype, device=local.device)
+        view = padded.narrow(self.shard_dim, 0, self.local_rows)
         if local.device.type != "meta":
             with torch.no_grad():
-                padded[: self.local_rows].copy_(local)
+                view.copy_(local)
         self.padded_shard = padded
-        self.sharded_param._local_tensor = padded[: self.local_rows]  # type: ignore[attr-defined]
+        self.sharded_param._local_tensor = view  # type: ignore[attr-defined]
 
     # -------------------------------------------------------------- gradients
 
@@ -228,7 +391,7 @@ class ShardedParam:
             else:
                 self.sharded_param.grad = DTensor.from_local(
                     local_grad,
-                    self.mesh,
+                    self.dtensor_mesh,
                     self.placements,
                     run_check=False,
                     shape=self.full_shape,
@@ -238,6 +401,142 @@ class ShardedParam:
             grad_local = grad.to_local()  # type: ignore[attr-defined]
             assert isinstance(grad_local, torch.Tensor)
             grad_local.add_(local_grad)
+
+
+def resolve_shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
+    """The normalized dim a ``shard_placement_fn`` result (``Shard`` or ``None``) shards on."""
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
+            "return Shard(dim) to shard it on dim, or None for the default Shard(0)"
+        )
+    ndim = param.dim()
+    dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < ndim:
+        raise AssertionError(
+            f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r} of "
+            f"shape {tuple(param.shape)}, but it has {ndim} dims; return Shard(d) with "
+            f"-{ndim} <= d < {ndim}"
+        )
+    return dim
+
+
+_TP_MESHES: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
+
+
+def tp_data_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of ``dp_mesh``'s axes followed by ``tp_mesh``'s (both cut from one mesh)."""
+    key = (dp_mesh, tp_mesh)
+    mesh = _TP_MESHES.get(key)
+    if mesh is None:
+        mesh = _TP_MESHES[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    return mesh
+
+
+def _layout(
+    fqn: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    dim: int,
+    dp_axes: DataParallelAxes | None,
+) -> _Layout:
+    """Both faces' meshes and placements; see [Note: sharding a tensor-parallel parameter]."""
+    dp = (Replicate(),) * (mesh.ndim - 1)
+    if dp_axes is not None:
+        return _spmd_layout(fqn, param, mesh, dim, dp_axes)
+    if not isinstance(param, DTensor):
+        return _Layout(param, mesh, (*dp, Shard(dim)), None, frozenset())
+    spec = param._spec
+    if len(spec.placements) > 2:
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is a DTensor placed {spec.placements} on "
+            f"{spec.mesh}; only 1-D tensor (or expert) parallelism, or 2-D, composes with "
+            "fully_shard"
+        )
+    try:
+        sharded_mesh = tp_data_parallel_mesh(mesh, spec.mesh)
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on {spec.mesh}, which cannot be "
+            f"combined with the data-parallel mesh {mesh} ({exc}); cut both from one mesh, "
+            "e.g. mesh['tp'] for parallelize_module and mesh['dp'] for fully_shard"
+        ) from exc
+    split = spec.num_shards_map[dim]
+    placement: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    local = param.to_local()
+    assert isinstance(local, torch.Tensor)
+    return _Layout(local, sharded_mesh, (*dp, placement, *spec.placements), spec, frozenset())
+
+
+def _spmd_layout(
+    fqn: str,
+    param: nn.Parameter,
+    mesh: DeviceMesh,
+    dim: int,
+    dp_axes: DataParallelAxes,
+) -> _Layout:
+    """Layout of a DTensor on the whole mesh, replicated on its data-parallel axes."""
+    spmd_mesh = dp_axes.spmd_mesh
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"fully_shard: with dp_mesh_dims, parameter {fqn!r} must be a DTensor on the mesh "
+            f"passed to fully_shard, got a plain tensor; distribute it first (e.g. with "
+            "distribute_module or parallelize_module over that mesh)"
+        )
+    spec = param._spec
+    if spec.mesh != spmd_mesh:
+        raise ValueError(
+            f"fully_shard: with dp_mesh_dims, parameter {fqn!r} must be a DTensor on the mesh "
+            f"passed to fully_shard ({spmd_mesh}), got one on {spec.mesh}"
+        )
+    names = spmd_mesh.mesh_dim_names or ()
+    for axis in (*dp_axes.shard, *dp_axes.replicate):
+        if not isinstance(spec.placements[axis], Replicate | Partial):
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is placed {spec.placements}; with dp_mesh_dims "
+                f"it must be Replicate() on the data-parallel axis {names[axis]!r}"
+            )
+    placements = list(spec.placements)
+    for axis in dp_axes.shard:
+        split = math.prod(
+            spmd_mesh.size(later)
+            for later in range(axis + 1, spmd_mesh.ndim)
+            if isinstance(p := spec.placements[later], Shard | _StridedShard) and p.dim == dim
+        )
+        placements[axis] = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    sharded_mesh: DeviceMesh = spmd_mesh
+    if len(dp_axes.shard) > 1:
+        # Several shard axes are one flattened axis (the last of ``mesh``): the
+        # sharded DTensor lives on the other axes plus ``mesh`` where the first
+        # shard axis was (replicate axes move in front of it, as in ``mesh``).
+        meshes: list[DeviceMesh] = []
+        flat: list[Placement] = []
+        for axis, name in enumerate(names):
+            if axis == dp_axes.shard[0]:
+                meshes.append(mesh)
+                flat.extend((*(Replicate(),) * (mesh.ndim - 1), placements[axis]))
+            elif axis in dp_axes.shard or (axis in dp_axes.replicate and mesh.ndim == 2):
+                continue
+            else:
+                meshes.append(spmd_mesh[name])
+                flat.append(placements[axis])
+        sharded_mesh = DeviceMesh._concatenate(meshes)
+        placements = flat
+    local = param.to_local()
+    assert isinstance(local, torch.Tensor)
+    return _Layout(
+        local,
+        sharded_mesh,
+        tuple(placements),
+        spec,
+        frozenset((*dp_axes.shard, *dp_axes.replicate)),
+    )
+
+
+def _with_dim(shape: torch.Size, dim: int, size: int) -> torch.Size:
+    return torch.Size((*shape[:dim], size, *shape[dim + 1 :]))
 
 
 def _make_sharded_param(

@@ -1,16 +1,20 @@
-"""The per-parameter layout of ``fully_shard``: one ``Shard(0)`` DTensor per parameter.
+"""The per-parameter layout of ``fully_shard``: one ``Shard(dim)`` DTensor per parameter.
 
 All-gather layout: every rank contributes the concatenation of its padded
-shard of each parameter (``padded_rows * row_numel`` elements each). The
-gathered buffer is ``(world, gather_numel)``; column block ``i`` of it is
-parameter ``i``'s padded full tensor, copied out in one
-``split_with_sizes_copy``. The reduction uses the same layout over the
-trainable parameters. This is shard-core's ``PackedDim0Layout``, with the
+shard of each parameter (``padded_numel`` elements each). The gathered buffer
+is ``(world, gather_numel)``; column block ``i`` of it is parameter ``i``'s
+padded full tensor (its local tensor, for a tensor-parallel parameter), rank
+by rank. When every parameter is sharded on dim 0 (the default) those blocks
+are copied out in one ``split_with_sizes_copy``; a parameter sharded on
+another dim (``shard_placement_fn``) has its blocks interleaved along that dim
+(:meth:`ShardedParam.write_gathered`). The reduction uses the same layout over
+the trainable parameters. This is shard-core's ``PackedDim0Layout``, with the
 shards already padded in place.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,6 +33,9 @@ class PerParamGroup:
         self._label = label
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._gather_dtype: torch.dtype | None = None
+        # - per reduction issued and not yet accumulated: which trainable params had a grad
+        self._with_grad: deque[list[bool]] = deque()
+        self._all_dim0 = all(p.shard_dim == 0 for p in params)
 
     # ------------------------------------------------------------------ facts
 
@@ -113,23 +120,30 @@ class PerParamGroup:
     def finish_gather(self, gathered: torch.Tensor) -> None:
         for p in self.params:
             p.alloc_unsharded()
-        outs = [p.unsharded_rows_view() for p in self.params]
-        columns = gathered.view(outs[0].shape[0], -1)
+        world = self.params[0].shard_world
+        columns = gathered.view(world, -1)
+        versions = [t for p in self.params for t in p.version_tensors()]
         # See [Note: version counters] in _param.py.
-        with torch.no_grad(), _preserve_versions([p.unsharded_param for p in self.params]):
-            if len(outs) == 1:
-                outs[0].copy_(columns)
-            else:
+        with torch.no_grad(), _preserve_versions(versions):
+            if len(self.params) == 1:
+                self.params[0].write_gathered(columns)
+            elif self._all_dim0:
+                outs = [p.unsharded_rows_view() for p in self.params]
                 torch.split_with_sizes_copy(
                     columns, [p.padded_numel for p in self.params], dim=1, out=outs
                 )
+            else:
+                offset = 0
+                for p in self.params:
+                    p.write_gathered(columns[:, offset : offset + p.padded_numel])
+                    offset += p.padded_numel
         for p in self.params:
             p.to_unsharded()
 
     def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
-            out[:, offset : offset + p.padded_numel].copy_(p.unsharded_rows_view()[rows])
+            p.read_gathered(rows, out[:, offset : offset + p.padded_numel])
             offset += p.padded_numel
 
     def to_sharded(self) -> None:
@@ -147,19 +161,29 @@ class PerParamGroup:
         full = torch.empty(world * per_rank, dtype=dtype, device=device)
         columns = full.view(world, per_rank)
         offset = 0
+        with_grad: list[bool] = []
         for p in self.trainable:
-            _copy_padded_rows(
-                columns[:, offset : offset + p.padded_numel], p.unsharded_param.grad, p
-            )
+            grad = p.unsharded_grad()
+            with_grad.append(grad is not None)
+            _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
             p.unsharded_param.grad = None
             offset += p.padded_numel
+        self._with_grad.append(with_grad)
         return full
 
     def accumulate(self, output: torch.Tensor) -> None:
         offset = 0
-        for p in self.trainable:
-            local = output[offset : offset + p.local_rows * p.row_numel]
-            p.accumulate_sharded_grad(local.view(p.local_rows, *p.full_shape[1:]))
+        # A parameter that got no gradient in this backward keeps ``grad is None``, as in
+        # PyTorch, so the optimizer leaves it alone (its zeros only keep the layout).
+        with_grad = self._with_grad.popleft() if self._with_grad else [True] * len(self.trainable)
+        for p, has_grad in zip(self.trainable, with_grad, strict=True):
+            if not has_grad:
+                offset += p.padded_numel
+                continue
+            # The real rows lead the padded block (padding exists only on dim 0).
+            local_shape = p.local_shape
+            local = output[offset : offset + local_shape.numel()]
+            p.accumulate_sharded_grad(local.view(local_shape))
             offset += p.padded_numel
 
 
@@ -168,8 +192,11 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
     if grad is None:
         block.zero_()
         return
+    if p.shard_dim != 0:  # evenly split: rank r's block is slice r along the dim
+        block.view(block.shape[0], *p.padded_shape).copy_(p.unsharded_blocks(grad))
+        return
     rows = p.padded_rows
-    dim0 = p.full_shape[0]
+    dim0 = p.data_shape[0]
     world = block.shape[0]
     if dim0 == rows * world:
         block.copy_(grad.reshape(world, p.padded_numel))
