@@ -4,10 +4,10 @@ The functional API has the names and options of
 ``torch.distributed.checkpoint.state_dict``; checkpoints are
 ``torch.distributed.checkpoint`` directories, written atomically::
 
-    from shard_checkpoint import get_model_state_dict, get_optimizer_state_dict, load, save
+    from shard_checkpoint import get_state_dict, load, save
 
-    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
-         checkpoint_id="ckpt/step-100")
+    model_state, optim_state = get_state_dict(model, optim)
+    save({"model": model_state, "optim": optim_state}, checkpoint_id="ckpt/step-100")
 """
 
 from shard_checkpoint._consolidate import consolidate
@@ -16,23 +16,40 @@ from shard_checkpoint._export import ExportReport, export_full_state_dict
 from shard_checkpoint._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
 from shard_checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from shard_checkpoint._options import StateDictOptions
+from shard_checkpoint._state_dict import get_state_dict, set_state_dict
 from shard_checkpoint._storage import load, resolve_checkpoint, save
+from shard_checkpoint._types import (
+    FQNS_T,
+    DictValueType,
+    ListDictValueType,
+    OptimizerStateType,
+    PrimitiveType,
+    ValueType,
+)
 from shard_checkpoint._version import __version__
 
 __all__ = [
+    "FQNS_T",
     "CheckpointError",
+    "DictValueType",
     "ExportReport",
     "IncompatibleKeys",
+    "ListDictValueType",
+    "OptimizerStateType",
+    "PrimitiveType",
     "StateDictError",
     "StateDictOptions",
+    "ValueType",
     "__version__",
     "consolidate",
     "export_full_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "get_state_dict",
     "load",
     "resolve_checkpoint",
     "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "set_state_dict",
 ]

@@ -24,10 +24,15 @@ class CheckpointError(ShardError, RuntimeError):
     """
 
 
-class StateDictError(ShardError, ValueError):
+class StateDictError(ShardError, ValueError, RuntimeError):
     """A model or optimizer state dict does not fit the model or optimizer it is loaded into.
 
     Raised for missing or unexpected keys under ``strict=True``, a value of
-    the wrong shape, and an optimizer that holds parameters the model does
-    not. The message names the first offending key.
+    the wrong shape, an empty state dict where one is required, and an
+    optimizer that holds parameters the model does not. The message names
+    the first offending key. It is a ``RuntimeError`` because PyTorch's
+    ``torch.distributed.checkpoint.state_dict`` (and ``load_state_dict``)
+    raise ``RuntimeError`` for these, so ``except RuntimeError`` written
+    against PyTorch keeps working; it stays a ``ValueError`` for callers of
+    earlier shard versions.
     """

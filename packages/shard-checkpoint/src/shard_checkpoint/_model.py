@@ -21,13 +21,25 @@ communication. With ``broadcast_from_rank0`` rank 0 first broadcasts the list
 of keys, shapes and dtypes; then, key after key (unit after unit for the
 wrapper), each rank receives the full tensors, copies its rows into its
 shards and drops them before the next: one unit or tensor beyond the shards.
+
+[Note: what the functional API adds]
+``get_model_state_dict`` and ``set_model_state_dict`` (and
+``get_state_dict``/``set_state_dict``, which call the same two helpers) add
+PyTorch's user-facing rules on top of the state dicts built here, so that
+code written against ``torch.distributed.checkpoint.state_dict`` behaves the
+same: options are checked when used (they are mutable); ``ignore_frozen_params``
+and the deprecated ``submodules`` filter the keys after the state dict is
+built (so every rank still takes part in every gather); an empty state dict
+is refused under ``strict`` unless an option explains it (rank-0-only
+offload, broadcast, a filter); an empty one loads nothing otherwise.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -45,7 +57,11 @@ from shard_checkpoint._flat import (
     local_flat,
     write_shard,
 )
-from shard_checkpoint._options import StateDictOptions
+from shard_checkpoint._options import (
+    StateDictOptions,
+    checked_options,
+    warn_submodules_deprecated,
+)
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
 from shard_runtime import FlatUnit, FSDPModule, clean_fqn, flat_units, original_buffer_dtypes
 
@@ -53,13 +69,20 @@ __all__ = [
     "IncompatibleKeys",
     "Kind",
     "TensorSpec",
+    "check_not_empty",
+    "frozen_keys",
+    "functional_model_state_dict",
     "get_model_state_dict",
     "in_module_order",
+    "keyed_by_name",
+    "load_functional_model_state_dict",
     "load_model_state_dict",
     "model_state_dict",
     "plain_entries",
     "reshard_model",
     "set_model_state_dict",
+    "state_dict_name",
+    "submodule_prefixes",
 ]
 
 
@@ -102,7 +125,10 @@ def reshard_model(model: nn.Module) -> None:
 
 
 def get_model_state_dict(
-    model: nn.Module, *, options: StateDictOptions | None = None
+    model: nn.Module,
+    *,
+    submodules: set[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     """The model's state dict, keyed by the unwrapped model's qualified names.
 
@@ -110,33 +136,37 @@ def get_model_state_dict(
         model: a model sharded by ``fully_shard`` (any part of it), by
             ``FullyShardedDataParallel`` (either ``use_orig_params``), by both,
             or a plain model.
+        submodules: deprecated (a ``FutureWarning``, as in PyTorch): keep only
+            the keys under these submodules (see ``keep_submodule_prefixes``).
         options: ``full_state_dict`` gathers sharded values into plain tensors
             (a collective: call it on every rank); ``cpu_offload`` moves values
             to the CPU and, with ``full_state_dict``, leaves every rank but 0
-            with ``{}``.
+            with ``{}``; ``ignore_frozen_params`` leaves out parameters with
+            ``requires_grad=False``.
 
     Returns:
         ``{fqn: value}``: ``Shard(0)`` DTensors for sharded parameters, plain
         tensors otherwise (buffers, unsharded parameters, every value when
         full). Buffers a wrapper's mixed precision cast come back in their
         original dtype.
+
+    Raises:
+        StateDictError: the state dict is empty under ``strict`` (a model
+            without parameters or buffers), as PyTorch refuses it.
+        ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    options = options or StateDictOptions()
-    return model_state_dict(
-        model,
-        Kind.FULL if options.full_state_dict else Kind.SHARDED,
-        offload_to_cpu=options.cpu_offload,
-        rank0_only=options.cpu_offload,
-    )
+    warn_submodules_deprecated(submodules, "get_model_state_dict", stacklevel=2)
+    options = checked_options(options, "get_model_state_dict")
+    return functional_model_state_dict(model, options, submodules, "get_model_state_dict")
 
 
 def set_model_state_dict(
     model: nn.Module,
-    state_dict: Mapping[str, Any],
+    model_state_dict: Mapping[str, Any],
     *,
     options: StateDictOptions | None = None,
 ) -> IncompatibleKeys:
-    """Load ``state_dict`` (sharded or full) into ``model``'s shards.
+    """Load ``model_state_dict`` (sharded or full) into ``model``'s shards.
 
     Values may be DTensors (copied shard to shard when laid out like the
     parameter, resharded otherwise) or full tensors (this rank keeps its
@@ -144,8 +174,11 @@ def set_model_state_dict(
 
     Args:
         model: the model to load into (sharded by either front end, both, or plain).
-        state_dict: ``{fqn: value}``. With ``broadcast_from_rank0`` only rank
-            0's is read; other ranks may pass ``{}``.
+        model_state_dict: ``{fqn: value}``. With ``broadcast_from_rank0`` only
+            rank 0's is read; other ranks may pass ``{}``. An empty one loads
+            nothing (refused under ``strict``, as PyTorch does). Keys may also
+            be submodules of ``model`` mapping to their own state dicts
+            (deprecated in PyTorch: a ``FutureWarning``).
         options: ``strict`` (default) makes a missing or unexpected key an
             error naming it, before anything is loaded; ``broadcast_from_rank0``
             as described above.
@@ -154,29 +187,206 @@ def set_model_state_dict(
         The missing and unexpected keys (both empty under ``strict``).
 
     Raises:
-        StateDictError: a missing or unexpected key under ``strict``, or a
-            value whose shape differs from the model's.
+        StateDictError: a missing or unexpected key under ``strict``, an
+            empty state dict under ``strict``, or a value whose shape differs
+            from the model's. A ``RuntimeError``, as PyTorch raises.
+        ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    options = options or StateDictOptions()
+    model_state_dict = keyed_by_name(model, model_state_dict, stacklevel=2)
+    options = checked_options(options, "set_model_state_dict")
+    return load_functional_model_state_dict(
+        model, model_state_dict, options, "set_model_state_dict"
+    )
+
+
+# ------------------------------------------------------------------ the functional API
+# See [Note: what the functional API adds]
+
+
+def functional_model_state_dict(
+    model: nn.Module,
+    options: StateDictOptions,
+    submodules: Collection[nn.Module] | None,
+    caller: str,
+) -> dict[str, Any]:
+    """What :func:`get_model_state_dict` returns, arguments checked; ``get_state_dict`` too."""
+    state = model_state_dict(
+        model,
+        Kind.FULL if options.full_state_dict else Kind.SHARDED,
+        offload_to_cpu=options.cpu_offload,
+        rank0_only=options.cpu_offload,
+        fqn_modifiers=options.dsd_fqn_modifiers,
+    )
+    if options.ignore_frozen_params:
+        for key in frozen_keys(model, options.dsd_fqn_modifiers):
+            state.pop(key, None)
+    prefixes = submodule_prefixes(model, submodules)
+    if prefixes:
+        kept: dict[str, Any] = {}
+        for key, value in state.items():
+            for prefix in prefixes:
+                if key.startswith(prefix):
+                    kept[key if options.keep_submodule_prefixes else key[len(prefix) :]] = value
+        state = kept
+    empty_allowed = bool(prefixes) or options.ignore_frozen_params
+    check_not_empty(state, options, caller, "model", empty_allowed=empty_allowed)
+    return state
+
+
+def load_functional_model_state_dict(
+    model: nn.Module,
+    model_state_dict: Mapping[str, Any],
+    options: StateDictOptions,
+    caller: str,
+) -> IncompatibleKeys:
+    """What :func:`set_model_state_dict` does, arguments checked; ``set_state_dict`` too."""
+    check_not_empty(
+        model_state_dict, options, caller, "model", empty_allowed=options.ignore_frozen_params
+    )
+    if not model_state_dict and not options.broadcast_from_rank0:
+        return IncompatibleKeys(missing_keys=[], unexpected_keys=[])
     return load_model_state_dict(
         model,
-        state_dict,
+        model_state_dict,
         Kind.FULL if options.full_state_dict else Kind.SHARDED,
         strict=options.strict,
         broadcast_from_rank0=options.broadcast_from_rank0,
-        caller=_FUNCTIONAL,
+        caller=Caller(caller, "pass options=StateDictOptions(strict=False)"),
     )
+
+
+def check_not_empty(
+    state: Mapping[Any, Any],
+    options: StateDictOptions,
+    caller: str,
+    what: str,
+    *,
+    empty_allowed: bool,
+    only_if_strict: bool = True,
+) -> None:
+    """Refuse an empty state dict where PyTorch does: no option explains it.
+
+    Ranks other than 0 legitimately hold ``{}`` with ``full_state_dict`` and
+    ``cpu_offload`` (and when loading with ``broadcast_from_rank0``). PyTorch
+    accepts an empty model state dict under ``strict=False`` but never an
+    empty optimizer state dict (``only_if_strict=False``).
+    """
+    if (
+        state
+        or empty_allowed
+        or (only_if_strict and not options.strict)
+        or options.broadcast_from_rank0
+        or (options.full_state_dict and options.cpu_offload)
+    ):
+        return
+    raise StateDictError(
+        f"{caller}: the {what} state dict is empty on rank {rank()} (nothing to save, or "
+        f"an empty dict passed in), which PyTorch refuses as well; pass a non-empty {what} "
+        "state dict"
+        + (", or options=StateDictOptions(strict=False) to accept it" if only_if_strict else "")
+    )
+
+
+def submodule_prefixes(model: nn.Module, submodules: Collection[nn.Module] | None) -> list[str]:
+    """``"<name>."`` for each of ``submodules`` in ``model`` (PyTorch's deprecated filter).
+
+    The root's name is empty, so passing ``model`` itself keeps nothing, as in PyTorch.
+    """
+    if not submodules:
+        return []
+    wanted = {id(module) for module in submodules}
+    prefixes: list[str] = []
+    for name, module in model.named_modules():
+        prefix = clean_fqn(name) + "."
+        if id(module) in wanted and prefix not in prefixes:
+            prefixes.append(prefix)
+    return prefixes
+
+
+def keyed_by_name(
+    model: nn.Module, model_state_dict: Mapping[Any, Any], *, stacklevel: int
+) -> Mapping[str, Any]:
+    """``model_state_dict`` with submodule keys (``{submodule: its state dict}``) spelled out.
+
+    PyTorch still accepts that form and warns (``FutureWarning``) that it is
+    deprecated; so do we, pointing at the caller's line (``stacklevel``
+    counts from the caller of this function).
+    """
+    if not model_state_dict or not isinstance(next(iter(model_state_dict)), nn.Module):
+        return model_state_dict
+    warnings.warn(
+        "a model state dict keyed by submodules ({submodule: its state dict}) is deprecated "
+        "(as in PyTorch, which plans to remove it); key it by qualified name "
+        "('<submodule>.<key>') instead",
+        FutureWarning,
+        stacklevel=stacklevel + 1,
+    )
+    names = {id(module): clean_fqn(name) for name, module in model.named_modules()}
+    spelled: dict[str, Any] = {}
+    for submodule, sub_state in model_state_dict.items():
+        name = names.get(id(submodule))
+        if name is None:
+            raise StateDictError(
+                f"model state dict: the key {type(submodule).__name__} is not a submodule of "
+                "the model; key the state dict by qualified names, or by the model's own "
+                "submodules"
+            )
+        spelled.update({f"{name}.{key}" if name else key: v for key, v in sub_state.items()})
+    return spelled
+
+
+def frozen_keys(model: nn.Module, fqn_modifiers: str) -> set[str]:
+    """The keys of parameters with ``requires_grad=False`` (``ignore_frozen_params``).
+
+    A wrapper unit with ``use_orig_params=False`` has one flat parameter: its
+    parameters are frozen together or not at all.
+    """
+    frozen = {
+        key
+        for unit in flat_units(model)
+        if unit.flat_param is not None and not unit.flat_param.requires_grad
+        for param in unit.params
+        for key in param.keys
+    }
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            frozen.add(state_dict_name(model, name, fqn_modifiers))
+    return frozen
+
+
+def state_dict_name(model: nn.Module, name: str, fqn_modifiers: str) -> str:
+    """Parameter ``name`` as ``model.state_dict()`` spells it.
+
+    A module whose state-dict hooks save a child's tensors under its own
+    prefix declares it with the method named ``fqn_modifiers`` (see
+    ``StateDictOptions.dsd_fqn_modifiers``): that child's name is left out.
+    """
+    kept: list[str] = []
+    module: Any = model
+    for part in name.split("."):
+        renames = getattr(module, fqn_modifiers, None) if isinstance(module, nn.Module) else None
+        if not (callable(renames) and part in renames().values()):
+            kept.append(part)
+        module = getattr(module, part, None)
+    return clean_fqn(".".join(kept))
 
 
 # ------------------------------------------------------------------ building
 
 
 def model_state_dict(
-    model: nn.Module, kind: Kind, *, offload_to_cpu: bool, rank0_only: bool
+    model: nn.Module,
+    kind: Kind,
+    *,
+    offload_to_cpu: bool,
+    rank0_only: bool,
+    fqn_modifiers: str = "_fqn_modifiers",
 ) -> dict[str, Any]:
     """``model``'s state dict of ``kind`` (a collective for FULL and SHARDED wrapper units).
 
     ``rank0_only`` (FULL only) leaves every rank but 0 with ``{}``.
+    ``fqn_modifiers`` names parameters as state-dict hooks do, for the order
+    (see :func:`state_dict_name`).
     """
     reshard_model(model)
     units = flat_units(model)
@@ -213,7 +423,10 @@ def model_state_dict(
             if offload_to_cpu:
                 value = to_cpu(value)
         out[key] = value
-    params.update(clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False))
+    params.update(
+        state_dict_name(model, n, fqn_modifiers)
+        for n, _ in model.named_parameters(remove_duplicate=False)
+    )
     return in_module_order(model, out, params)
 
 
@@ -271,9 +484,6 @@ class Caller:
 
     name: str
     relax: str
-
-
-_FUNCTIONAL = Caller("set_model_state_dict", "pass options=StateDictOptions(strict=False)")
 
 
 def load_model_state_dict(

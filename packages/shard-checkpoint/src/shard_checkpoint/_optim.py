@@ -48,13 +48,21 @@ from torch.distributed.tensor import DTensor
 from shard_checkpoint._dist import all_gather_objects, broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
 from shard_checkpoint._flat import chunk_of, gather_full
-from shard_checkpoint._model import TensorSpec, in_module_order, reshard_model
-from shard_checkpoint._options import StateDictOptions
+from shard_checkpoint._model import TensorSpec, check_not_empty, in_module_order, reshard_model
+from shard_checkpoint._options import (
+    StateDictOptions,
+    checked_options,
+    warn_submodules_deprecated,
+)
 from shard_checkpoint._tensors import full_value, same_layout, shard_like, to_cpu
 from shard_runtime import FlatUnit, clean_fqn, flat_units
 
 __all__ = [
+    "as_optimizer_list",
+    "functional_optimizer_state_dict",
     "get_optimizer_state_dict",
+    "given_optimizers",
+    "load_functional_optimizer_state_dict",
     "optimizer_state_dict",
     "optimizer_state_dict_to_load",
     "set_optimizer_state_dict",
@@ -95,6 +103,7 @@ def get_optimizer_state_dict(
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
     *,
+    submodules: set[nn.Module] | None = None,
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
     """The optimizers' state keyed by parameter name (several optimizers are merged).
@@ -103,23 +112,50 @@ def get_optimizer_state_dict(
         model: the model whose parameters the optimizers hold (sharded by
             either front end, both, or plain).
         optimizers: one optimizer, or several over disjoint parameters.
+        submodules: deprecated (a ``FutureWarning``); as in PyTorch it does
+            not filter optimizer state: every parameter's state is returned.
         options: ``full_state_dict`` gathers sharded state into plain tensors
             (a collective); ``cpu_offload`` moves values to the CPU and, with
             ``full_state_dict``, leaves every rank but 0 with ``{}``;
             ``flatten_optimizer_state_dict`` returns the flat form.
 
     Raises:
-        StateDictError: an optimizer holds a parameter the model does not.
+        StateDictError: no optimizer is given, or an optimizer holds a
+            parameter the model does not.
+        ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    options = options or StateDictOptions()
+    warn_submodules_deprecated(submodules, "get_optimizer_state_dict", stacklevel=2)
+    options = checked_options(options, "get_optimizer_state_dict")
+    optims = given_optimizers(optimizers, "get_optimizer_state_dict")
+    return functional_optimizer_state_dict(model, optims, options)
+
+
+def functional_optimizer_state_dict(
+    model: nn.Module, optims: list[torch.optim.Optimizer], options: StateDictOptions
+) -> dict[str, Any]:
+    """:func:`get_optimizer_state_dict` after its arguments are checked (and ``get_state_dict``)."""
     result = optimizer_state_dict(
         model,
-        optimizers,
+        optims,
         full=options.full_state_dict,
         offload_to_cpu=options.cpu_offload,
         rank0_only=options.full_state_dict and options.cpu_offload,
     )
     return _flatten(result) if options.flatten_optimizer_state_dict and result else result
+
+
+def given_optimizers(
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], caller: str
+) -> list[torch.optim.Optimizer]:
+    """``optimizers`` as a list, refusing none at all as PyTorch does (``RuntimeError``)."""
+    optims = as_optimizer_list(optimizers)
+    if not optims:
+        raise StateDictError(
+            f"{caller}: optimizers is empty; pass the optimizer (or optimizers) that "
+            "optimize the model, or use get_model_state_dict/set_model_state_dict for the "
+            "model alone"
+        )
+    return optims
 
 
 def optimizer_state_dict(
@@ -137,7 +173,7 @@ def optimizer_state_dict(
     (the wrapper's ``optim_state_dict(model, optim, optim_state_dict)``).
     """
     reshard_model(model)
-    optims = _as_list(optimizers)
+    optims = as_optimizer_list(optimizers)
     layout = _entries(model, optims)
     keep = not (full and rank0_only) or rank() == 0
     plain: _States = {}
@@ -205,11 +241,30 @@ def set_optimizer_state_dict(
             options, an error naming the parameter.
 
     Raises:
-        StateDictError: see ``options``; also a flat key that names no
-            parameter of the optimizers.
+        StateDictError: see ``options``; also no optimizer, an empty state
+            dict (unless rank 0 alone holds it: ``broadcast_from_rank0``, or
+            ``full_state_dict`` with ``cpu_offload``), and a flat key that
+            names no parameter of the optimizers.
+        ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    options = options or StateDictOptions()
-    optims = _as_list(optimizers)
+    options = checked_options(options, "set_optimizer_state_dict")
+    optims = given_optimizers(optimizers, "set_optimizer_state_dict")
+    load_functional_optimizer_state_dict(
+        model, optims, optim_state_dict, options, "set_optimizer_state_dict"
+    )
+
+
+def load_functional_optimizer_state_dict(
+    model: nn.Module,
+    optims: list[torch.optim.Optimizer],
+    optim_state_dict: Mapping[str, Any],
+    options: StateDictOptions,
+    caller: str,
+) -> None:
+    """:func:`set_optimizer_state_dict` after its arguments are checked (and ``set_state_dict``)."""
+    check_not_empty(
+        optim_state_dict, options, caller, "optimizer", empty_allowed=False, only_if_strict=False
+    )
     loadable = optimizer_state_dict_to_load(
         model,
         optims,
@@ -231,7 +286,7 @@ def optimizer_state_dict_to_load(
 ) -> list[dict[str, Any]]:
     """For each optimizer, the positional state dict its ``load_state_dict`` takes."""
     reshard_model(model)
-    optims = _as_list(optimizers)
+    optims = as_optimizer_list(optimizers)
     layout = _entries(model, optims)
     params = {fqn: entry for entry in _all_entries(layout) for fqn in entry.fqns}
     if broadcast_from_rank0:
@@ -526,15 +581,13 @@ def _copy(value: Any) -> Any:
 # ------------------------------------------------------------------ names
 
 
-def _as_list(
+def as_optimizer_list(
     optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
 ) -> list[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them (a generator too, read once) as a list."""
     if isinstance(optimizers, torch.optim.Optimizer):
         return [optimizers]
-    optims = list(optimizers)
-    if not optims:
-        raise ValueError("pass at least one optimizer")
-    return optims
+    return list(optimizers)
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
