@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pluggy
 import pytest
 import torch
 
@@ -11,7 +12,7 @@ import shard_comm_lowp
 import shard_device_accel.plugin
 import shard_device_cuda.plugin
 from shard_core import CpuDeviceHandle, get_plugin_manager, get_registry, reset_plugin_manager
-from shard_core.plugin import Registry
+from shard_core.plugin import PROJECT_NAME, Registry, hookspecs
 
 SWITCHES = ("SHARD_DISABLE_PLUGINS", "SHARD_LOAD_PLUGINS", "SHARD_TRACE_PLUGINS")
 
@@ -58,3 +59,36 @@ def test_accel_leaves_cpu_to_the_built_in_handle(registry: Registry) -> None:
     ]
     assert accel_impl.function(device_type="cpu") is None
     assert isinstance(registry.device_handle("cpu"), CpuDeviceHandle)
+
+
+def test_distinfo_names_the_installed_plugin_distributions(registry: Registry) -> None:
+    """list_plugin_distinfo() gives each bundled plugin's distribution name and version."""
+    listed = {
+        plugin: (dist.project_name, dist.version)
+        for plugin, dist in get_plugin_manager().list_plugin_distinfo()
+    }
+    assert listed[shard_comm_lowp.plugin] == ("shard-comm-lowp", shard_comm_lowp.__version__)
+    assert listed[shard_device_cuda.plugin] == ("shard-device-cuda", shard_device_cuda.__version__)
+    assert listed[shard_device_accel.plugin] == (
+        "shard-device-accel",
+        shard_device_accel.__version__,
+    )
+
+
+def test_distinfo_matches_pluggys_own_entry_point_loader(registry: Registry) -> None:
+    """Our loader records the same (plugin, distribution) pairs pluggy's loader would."""
+    reference = pluggy.PluginManager(PROJECT_NAME)
+    reference.add_hookspecs(hookspecs)
+    reference.load_setuptools_entrypoints(PROJECT_NAME)
+
+    def pairs(pm: pluggy.PluginManager) -> list[tuple[object, str, str]]:
+        return sorted(
+            (
+                (plugin, dist.project_name, dist.version)
+                for plugin, dist in pm.list_plugin_distinfo()
+            ),
+            key=lambda pair: pair[1],
+        )
+
+    assert len(registry.plugin_names()) == len(pairs(reference)) + 1  # and builtins
+    assert pairs(get_plugin_manager()) == pairs(reference)

@@ -57,6 +57,21 @@ logger = logging.getLogger("shard.plugin")
 # skipped and every hook call with its result, at DEBUG level on the
 # "shard.plugin" logger (which then prints to stderr unless logging is set up).
 
+# [Note: distribution info]
+# Tools built on pluggy ask the manager which distributions its plugins came
+# from: pytest-style "plugins: name-version" headers, bug-report helpers.
+# pluggy's own entry-point loader (load_setuptools_entrypoints) answers that by
+# appending (plugin, the entry point's importlib.metadata distribution) to the
+# manager's _plugin_distinfo list for every plugin it registers;
+# list_plugin_distinfo() hands the pairs out wrapped in pluggy's DistFacade
+# (which adds pkg_resources' .project_name), list_plugin_distributions() raw.
+# We load entry points ourselves (for the switches, and to contain failures),
+# so we append the same raw pair to the same list for every plugin that ends up
+# registered: never for a blocked or failed one, a built-in, a plugin
+# registered in memory, or an entry point without a distribution (pluggy's
+# loader never meets one). That is pluggy 1.7's layout (1.5 and 1.6 stored the
+# DistFacade itself); tests/test_plugin_distinfo.py fails if pluggy changes it.
+
 
 @dataclass(frozen=True, slots=True)
 class PluginOrigin:
@@ -108,6 +123,13 @@ class ShardPluginManager(pluggy.PluginManager):
         """Record that the plugin registered as ``origin.entry_point`` came from ``origin``."""
         self._origins[origin.entry_point] = origin
 
+    def note_distribution(self, plugin: object, dist: importlib.metadata.Distribution) -> None:
+        """Record the distribution a registered entry-point plugin came from, as pluggy does.
+
+        See [Note: distribution info].
+        """
+        self._plugin_distinfo.append((plugin, dist))
+
     def note_not_loaded(self, origin: PluginOrigin, reason: str) -> None:
         """Record an entry point that was found but not registered, and why."""
         self._not_loaded.append((origin, reason))
@@ -150,14 +172,6 @@ def make_plugin_manager(
 # ---------------------------------------------------------------------------
 
 
-class _Distribution(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def version(self) -> str: ...
-
-
 class _EntryPoint(Protocol):
     """What the loader uses of an ``importlib.metadata.EntryPoint``."""
 
@@ -165,7 +179,7 @@ class _EntryPoint(Protocol):
     def name(self) -> str: ...
 
     @property
-    def dist(self) -> _Distribution | None: ...
+    def dist(self) -> importlib.metadata.Distribution | None: ...
 
     def load(self) -> Any: ...
 
@@ -273,6 +287,8 @@ def _load_one(pm: ShardPluginManager, entry_point: _EntryPoint, origin: PluginOr
         _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
         return reason
     pm.note_loaded(origin)
+    if entry_point.dist is not None:
+        pm.note_distribution(plugin, entry_point.dist)
     if pm.trace_calls:
         logger.debug("loaded %s", who)
     return None
