@@ -30,6 +30,14 @@ from shard_comms._counters import (
     count_collectives,
     reset_comm_counters,
 )
+from shard_comms._custom import (
+    CustomAllGather,
+    CustomReduceScatter,
+    comm_buffer,
+    custom_all_gather,
+    custom_reduce_scatter,
+    group_allocates,
+)
 from shard_comms._device import clear_device_handle_cache, get_device_handle
 from shard_comms._hooks import (
     DefaultGradReducer,
@@ -58,6 +66,8 @@ __all__ = [
     "CommCounts",
     "CommError",
     "CommHandle",
+    "CustomAllGather",
+    "CustomReduceScatter",
     "DefaultGradReducer",
     "DistributedInitError",
     "DistributedState",
@@ -76,11 +86,15 @@ __all__ = [
     "choose_backend",
     "clear_buffer_cache",
     "clear_device_handle_cache",
+    "comm_buffer",
     "comm_counters",
     "count_collectives",
+    "custom_all_gather",
+    "custom_reduce_scatter",
     "default_comm_hook",
     "default_divide_factors",
     "get_device_handle",
+    "group_allocates",
     "init_distributed",
     "mesh_groups",
     "parse_launch_env",

@@ -7,6 +7,7 @@ Switch from PyTorch by changing the import line::
 """
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
+from shard_runtime._comm import share_comm_ctx
 from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._fully_shard import (
     FSDPModule,
@@ -35,7 +36,17 @@ from shard_runtime._state_dict_type import (
     StateDictType,
 )
 from shard_runtime._version import __version__
-from shard_runtime._wrap import WrapPolicyLike, apply_wrap_policy, plan_units, resolve_wrap_policy
+from shard_runtime._wrap import (
+    WrapPolicyLike,
+    always_wrap_policy,
+    apply_wrap_policy,
+    enable_wrap,
+    lambda_auto_wrap_policy,
+    plan_units,
+    resolve_wrap_policy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from shard_runtime._wrapper import FullyShardedDataParallel
 from shard_runtime._wrapper_options import (
     BackwardPrefetch,
@@ -73,12 +84,18 @@ __all__ = [
     "UnshardHandle",
     "WrapPolicyLike",
     "__version__",
+    "always_wrap_policy",
     "apply_wrap_policy",
     "clean_fqn",
+    "enable_wrap",
     "flat_units",
     "fully_shard",
+    "lambda_auto_wrap_policy",
     "original_buffer_dtypes",
     "plan_units",
     "register_fsdp_forward_method",
     "resolve_wrap_policy",
+    "share_comm_ctx",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
 ]

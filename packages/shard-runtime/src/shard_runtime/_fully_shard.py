@@ -9,18 +9,20 @@ and backward. Apply it bottom-up (blocks first, then the root).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar, cast, overload
+from typing import Any, Literal, NoReturn, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from shard_comms import build_mesh, get_device_handle
+from shard_comms import CustomAllGather, CustomReduceScatter, build_mesh, get_device_handle
 from shard_core.errors import LayoutError
-from shard_core.protocols import EventLike
+from shard_core.protocols import EventLike, StreamLike
+from shard_runtime._comm import separate_reduce_scatter_group
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._options import (
     CPUOffloadPolicy,
@@ -31,7 +33,7 @@ from shard_runtime._options import (
 from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param import PerParamGroup
 from shard_runtime._state import ShardState, get_state, states_in
-from shard_runtime._unit import PostForwardGroup, Unit
+from shard_runtime._unit import PostForwardGroup, ShardedState, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -60,8 +62,21 @@ class FSDPModule:
     """Mixed into the class of every module passed to :func:`fully_shard`.
 
     ``isinstance(module, FSDPModule)`` tells sharded modules apart; the
-    methods below steer the module's unit between steps.
+    methods below steer the module's unit between steps. The class of a
+    sharded module is ``FSDP<Name>``, deriving from this class and its own.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A new instance of a sharded module's class (``model[1:]`` on a sharded
+        # nn.Sequential calls ``type(model)(...)``) has no unit, so it is built as
+        # the original class: a plain module holding the (sharded) children.
+        orig = _original_class(cls)
+        if orig.__new__ is object.__new__:
+            self = object.__new__(orig)
+        else:
+            self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
 
     def _shard(self) -> ShardState:
         state = get_state(_as_module(self))
@@ -69,7 +84,8 @@ class FSDPModule:
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        raise TypeError(
+        # AssertionError, as PyTorch's fully_shard raises here.
+        raise AssertionError(
             f"{type(self).__name__} is sharded by fully_shard and cannot be deep-copied "
             "(its parameters are shards bound to a process group); copy the model's state "
             "dict instead: build a new model, then load model.state_dict() into it"
@@ -83,9 +99,25 @@ class FSDPModule:
         """Gather the full parameters; with ``async_op`` return a handle to wait on."""
         state = self._shard()
         if state.root is None:
-            state._lazy_init()
+            # Allowed before the root's first forward, on any module, as in PyTorch;
+            # the tree is set up by that forward. See [Note: parameters replaced
+            # before the first forward] in _state.py.
+            state.adopt_replaced_params()
         state.unit.unshard(async_op=async_op)
         return UnshardHandle(state) if async_op else None
+
+    def reset_iter_state(self) -> None:
+        """Recover after forward or backward raised, so that the next step runs cleanly.
+
+        Call it on the root (the module whose forward runs first) once the
+        exception is caught. It waits for collectives in flight, discards the
+        failed step's unreduced gradients and reshards every unit; see
+        [Note: recovering from a failed step] in ``_state.py``.
+
+        Raises:
+            RuntimeError: called on a sharded module that is not the root.
+        """
+        self._shard().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Say whether the next backward is the last before the optimizer step.
@@ -113,13 +145,25 @@ class FSDPModule:
         for state in self._states(recurse):
             state.unit.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, *, recurse: bool = True
-    ) -> None:
-        """Free full parameters after each unit's forward (``False``: keep them for backward)."""
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free full parameters after each unit's forward (``False``: keep them for backward).
+
+        Applies to the root too (``True`` there frees its parameters after
+        every forward, at the cost of an all-gather at the start of backward),
+        and replaces an int given to ``fully_shard``.
+        """
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"set_reshard_after_forward: reshard_after_forward must be a bool, got "
+                f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__}); pass True "
+                "or False (a group size to reshard to is only accepted by fully_shard)"
+            )
         for state in self._states(recurse):
-            if not state.is_root:
-                state.reshard_after_forward = reshard_after_forward
+            state.set_reshard_after_forward(reshard_after_forward)
+            unit = state.unit
+            if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                unit.reshard()  # backward then gathers from the full shard group
+            unit.post_forward = None
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Start these modules' all-gathers when this module's forward starts."""
@@ -138,19 +182,243 @@ class FSDPModule:
         # Stream.wait_event of every device handle also takes the device's own events.
         self._shard().unit._post_event = cast(EventLike, event)
 
+    # - communication controls; see [Note: Communication controls] in _unit.py
+
+    def set_custom_all_gather(self, comm: CustomAllGather) -> None:
+        """Run this unit's all-gathers through ``comm`` instead of shard's own.
+
+        ``comm`` has PyTorch's ``AllGather`` shape: ``allocate(size, *, dtype,
+        device)`` returns the output buffer (so it can come from a memory pool
+        the user manages) and ``comm(output_tensor=, input_tensor=, group=,
+        async_op=)`` gathers into it. It is called for every all-gather of
+        this unit (forward and backward, over the post-forward group too) and
+        takes precedence over ``set_allocate_memory_from_process_group_for_comm``.
+        """
+        self._shard().unit.custom_all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: CustomReduceScatter) -> None:
+        """Run this unit's gradient reduce-scatters through ``comm`` instead of shard's own.
+
+        ``comm`` has PyTorch's ``ReduceScatter`` shape: ``allocate`` gives the
+        input and output buffers, ``comm(output_tensor=, input_tensor=,
+        group=, op=)`` reduces. shard calls it with ``ReduceOp.SUM`` and
+        divides around it (gloo has no pre-multiplied sum), so a comm that
+        passes ``op`` on to ``torch.distributed`` averages correctly.
+        """
+        self._shard().unit.custom_reduce_scatter = comm
+
+    def set_all_reduce_hook(
+        self,
+        hook: Callable[[torch.Tensor], None],
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Call ``hook(reduce_output)`` on this unit's reduced gradient shard, in place.
+
+        On a 2-D mesh it runs after the replica all-reduce; on a 1-D mesh
+        after the reduce-scatter, where a user replicating across their own
+        groups all-reduces in it. It sees the averaged shard, or the sum when
+        ``set_force_sum_reduction_for_comms(True)`` moved the division after
+        it. ``stream`` (accelerators, 1-D meshes only) is where it runs; on
+        the CPU streams are no-ops.
+
+        Raises:
+            ValueError: ``stream`` given for a unit on a 2-D mesh, whose hook
+                runs where shard's all-reduce runs.
+        """
+        unit = self._shard().unit
+        if stream is not None and unit.replicate_group is not None:
+            raise ValueError(
+                f"set_all_reduce_hook({unit.comm_label}): stream cannot be set when using "
+                "native HSDP (a 2-D mesh): the hook runs after shard's replica all-reduce, on "
+                "its stream; drop stream=, or shard on a 1-D mesh and all-reduce in the hook"
+            )
+        unit.all_reduce_hook = hook
+        if stream is not None:
+            unit.all_reduce_hook_stream = cast(StreamLike, stream)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of :meth:`set_gradient_divide_factor` (as in PyTorch)."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this unit's summed gradient by ``factor`` instead of the data-parallel size.
+
+        The data-parallel size is shard x replicate ranks; the sum is taken
+        over all of them (reduce-scatter, then the replica all-reduce on a
+        2-D mesh) and divided once, before an all-reduce hook sees it. This
+        unit only, like PyTorch; call it on each module to change them all.
+
+        Raises:
+            ValueError: ``factor`` is not a positive finite number.
+        """
+        unit = self._shard().unit
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise ValueError(
+                f"set_gradient_divide_factor({unit.comm_label}): factor must be a number, got "
+                f"{type(factor).__name__}"
+            )
+        if not 0 < factor < float("inf"):
+            raise ValueError(
+                f"set_gradient_divide_factor({unit.comm_label}): factor must be a positive "
+                f"finite number, got {factor!r}; the world size averages"
+            )
+        unit.gradient_divide_factor = float(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Make this unit's collectives pure sums; divide in separate steps after them.
+
+        The gradient is still divided (by the data-parallel size or the
+        :meth:`set_gradient_divide_factor` factor), only outside the
+        collectives: after the all-reduce hook, and for fp16-like reduce
+        dtypes partly before the sum. Backends copy without staging only for
+        sums (NCCL's zero-copy collectives). This unit only.
+        """
+        self._shard().unit.force_sum_reduction_for_comms = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for units that got no gradient in a backward (conditional control flow).
+
+        With ``True`` every such unit reduce-scatters at the end of backward, so
+        all ranks issue the same collectives and its parameters get zero
+        gradients (``False``: their gradients stay ``None``). Parameters without
+        a gradient inside a unit that has some are always sent as zeros, so
+        ranks that use different parameters of one unit (experts) never
+        disagree on a reduce-scatter's size.
+        """
+        for state in self._states(recurse):
+            state.unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Let up to ``max_input_buffers`` gradient reductions be in flight at once (default 1).
+
+        Each reduction holds its input buffer until it completes; backward
+        waits for the oldest before starting one more. A larger cap keeps
+        compute going while slow reductions drain, at the cost of the memory
+        of the extra buffers. The root's reductions follow the cap of the
+        unit being reduced.
+
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (``bool`` included).
+            ValueError: ``max_input_buffers`` is below 1.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"set_reduce_scatter_max_input_buffers({self._shard().unit.comm_label}): "
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers({self._shard().unit.comm_label}): "
+                f"max_input_buffers must be a positive int, got {max_input_buffers}; 1 keeps "
+                "one reduction in flight"
+            )
+        for state in self._states(recurse):
+            state.unit.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Reduce-scatter over a process group of its own, so it overlaps the all-gathers.
+
+        One communicator runs one collective at a time; with a second group
+        over the same shard ranks, a unit's reduce-scatter need not wait for
+        the next unit's all-gather in backward. The group is created once per
+        set of ranks, by those ranks only: call this on every rank of the mesh.
+        ``False`` goes back to the shard group.
+        """
+        for state in self._states(recurse):
+            unit = state.unit
+            unit.reduce_scatter_group = (
+                separate_reduce_scatter_group(unit.shard_group) if enable else None
+            )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not all-gather this unit before its backward (nor prefetch it then).
+
+        For units whose backward needs no parameter values, e.g. an
+        embedding (its weight gradient needs only the indices): the gradients
+        still arrive and are reduced, and one all-gather per step is saved.
+        A unit whose backward does read its parameters then fails in backward.
+        This unit only.
+        """
+        self._shard().unit.unshard_in_backward = unshard_in_backward
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Take this unit's collective buffers from the process group's own allocator.
+
+        On a GPU with NCCL the all-gather output and the reduce-scatter input
+        and output come from memory registered with the communicator, which
+        lets NCCL copy without staging (zero-copy over NVLink SHARP or
+        InfiniBand). Backends without such an allocator (gloo, so anything on
+        the CPU) allocate as usual: nothing changes there.
+
+        Raises:
+            AssertionError: a custom all-gather or reduce-scatter is set on this
+                unit; those decide their own buffers (as in PyTorch).
+        """
+        unit = self._shard().unit
+        _check_no_custom_comm(unit, "set_allocate_memory_from_process_group_for_comm")
+        unit.comm_allocator = "process_group" if enable else "default"
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Ask for symmetric-memory buffers for this unit's collectives (NCCL only).
+
+        PyTorch allocates the all-gather's staging buffers from NCCL symmetric
+        memory so NCCL can use its copy-engine or symmetric-kernel all-gather.
+        shard takes them from the NCCL process group's registered memory (as
+        :meth:`set_allocate_memory_from_process_group_for_comm`), which NCCL
+        uses for the same zero-copy paths; on the CPU (gloo) nothing changes.
+
+        Raises:
+            ValueError: ``backend`` is not ``"NCCL"``.
+            AssertionError: a custom all-gather or reduce-scatter is set on this
+                unit (as in PyTorch).
+        """
+        unit = self._shard().unit
+        if backend != "NCCL":
+            raise ValueError(
+                f"set_symm_mem_for_comm({unit.comm_label}): backend must be 'NCCL', the only "
+                f"symmetric-memory backend, got {backend!r}"
+            )
+        _check_no_custom_comm(unit, "set_symm_mem_for_comm")
+        unit.comm_allocator = "symm_mem"
+
     def _states(self, recurse: bool) -> list[ShardState]:
         if not recurse:
             return [self._shard()]
         return states_in([_as_module(self)])
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to()``, ``.float()``, ``to_empty()`` swap new local tensors into the
         # sharded parameters; the unit adopts them afterwards.
         state = self._shard()
         state.unit.reshard()
-        result = super()._apply(fn, recurse)  # type: ignore[misc]
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         state.unit.reset_after_apply()
         return result
+
+
+def _original_class(cls: type) -> type:
+    """The class ``fully_shard`` derived ``FSDP<Name>`` from (next after FSDPModule in the MRO)."""
+    mro = cls.__mro__
+    return mro[mro.index(FSDPModule) + 1]
+
+
+def _check_no_custom_comm(unit: Unit, method: str) -> None:
+    custom = unit.custom_all_gather or unit.custom_reduce_scatter
+    if custom is not None:
+        raise AssertionError(
+            f"{method}({unit.comm_label}): cannot be used with the custom communication "
+            f"{type(custom).__name__} set by set_custom_all_gather/set_custom_reduce_scatter "
+            "(it allocates its own buffers); allocate from the process group in that comm's "
+            "allocate() instead"
+        )
 
 
 def _as_module(obj: FSDPModule) -> nn.Module:
@@ -173,7 +441,7 @@ def fully_shard(
     module: _M,
     *,
     mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int = ...,
+    reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
@@ -187,7 +455,7 @@ def fully_shard(
     module: list[nn.Module],
     *,
     mesh: DeviceMesh | None = ...,
-    reshard_after_forward: bool | int = ...,
+    reshard_after_forward: bool | int | None = ...,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
@@ -200,7 +468,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
@@ -220,7 +488,9 @@ def fully_shard(
             tensor-parallel parameter] in ``_param.py``.
         reshard_after_forward: ``True`` frees the full parameters after forward
             and gathers them again for backward; ``False`` keeps them until the
-            end of backward (no second all-gather). The root always keeps them.
+            end of backward (no second all-gather). ``None`` (the default) is
+            ``True``, except ``False`` for the root, which backward needs first
+            (decided at the first forward; ``set_reshard_after_forward`` overrides).
             An int that divides the shard axis size reshards to groups of that many
             consecutive ranks after forward (each keeps 1/int of the parameters),
             so the backward all-gather stays within the group; the axis size
@@ -243,12 +513,12 @@ def fully_shard(
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules")
     for m in modules:
-        _check_has_forward(m)
+        _check_module(m, alone=not isinstance(module, list))
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh, dp_mesh_dims)
     mesh, dp_axes = _data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     keep_after_forward, post_forward_size = _resolve_reshard_after_forward(
-        reshard_after_forward, mesh
+        True if reshard_after_forward is None else reshard_after_forward, mesh
     )
     compute_device = _compute_device(mesh)
     shard_device = (
@@ -296,6 +566,8 @@ def fully_shard(
         unit,
         reshard_after_forward=not keep_after_forward,
         mp_policy=mp_policy,
+        composable=True,
+        auto_reshard_after_forward=reshard_after_forward is None,
     )
     for child in children:
         if child.parent is None:
@@ -313,14 +585,13 @@ def fully_shard(
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run ``module.<method_name>`` with the same gather/free hooks as ``forward``.
 
-    For methods called instead of ``forward`` (``generate``, say).
+    For methods called instead of ``forward`` (``generate``, say). On a module
+    that is not sharded it does nothing, so the same code runs with or without
+    ``fully_shard``.
     """
-    state = get_state(module)
+    state = get_state(module) if isinstance(module, FSDPModule) else None
     if state is None:
-        raise ValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} is not sharded; "
-            "call fully_shard on it first"
-        )
+        return
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(
@@ -349,16 +620,31 @@ def _fsdp_class(cls: type[nn.Module]) -> type[nn.Module]:
     return fsdp_cls
 
 
-def _check_has_forward(module: nn.Module) -> None:
+def _check_module(module: nn.Module, *, alone: bool) -> None:
+    """Refuse what PyTorch's fully_shard refuses, with its exception types."""
     if not isinstance(module, nn.Module):
         raise TypeError(
             f"fully_shard expects an nn.Module or a list of them, got {type(module).__name__}"
         )
-    if type(module).forward is nn.Module.forward:
+    if (
+        alone
+        and isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is nn.Module.forward
+    ):
+        # Its forward hooks would never run. Other modules without a forward are
+        # accepted, as in PyTorch (their children's hooks run).
         raise ValueError(
-            f"fully_shard: {type(module).__name__} has no forward (a container such as "
-            "ModuleList or ModuleDict); shard its children instead, or pass them as a list "
-            "to shard them as one unit"
+            f"fully_shard: {type(module).__name__} is a container without a forward, so "
+            "nothing would gather its parameters; shard its children instead "
+            "(fully_shard(child) for each), or pass them as a list to shard them as one "
+            "unit (fully_shard(list(container)))"
+        )
+    if get_state(module) is not None:
+        # AssertionError, as PyTorch's fully_shard raises here.
+        raise AssertionError(
+            f"fully_shard: {type(module).__name__} is already sharded (fully_shard was "
+            "applied to it before); apply fully_shard once per module, to inner modules "
+            "before outer ones"
         )
 
 
@@ -531,11 +817,16 @@ def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Mod
             ),
             other.label,
         )
-        raise ValueError(
+        message = (
             f"fully_shard({label}): parameter {fqn!r} is already sharded by the unit of "
             f"{where}; a parameter shared by two units must be in one unit: pass the modules "
             "that share it as a list to one fully_shard call"
         )
+        if isinstance(param, DTensor):
+            # A module shared by two calls: its parameter is the other unit's sharded
+            # DTensor, which PyTorch refuses with a TypeError.
+            raise TypeError(message)
+        raise ValueError(message)
     # A DTensor parameter not sharded by a unit is split by tensor (or expert)
     # parallelism, or distributed over the whole mesh for dp_mesh_dims; whether
     # its mesh combines with fully_shard's is checked by ShardedParam.create.
@@ -545,7 +836,8 @@ def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Mod
             f"so make it 1-D, e.g. nn.Parameter(value.reshape(1))"
         )
     if not param.is_contiguous():
-        raise LayoutError(
+        # NotImplementedError, as PyTorch's fully_shard raises here.
+        raise NotImplementedError(
             f"fully_shard({label}): parameter {fqn!r} is not contiguous (stride "
             f"{param.stride()}); make it contiguous first: "
             "module.<name> = nn.Parameter(param.contiguous())"

@@ -13,11 +13,41 @@ hooks, when the unit gathers, frees and reduces:
   reduce what is left, wait for every reduction, reset for the next step.
 
 [Note: the root]
-The root is the outermost sharded module, found lazily at its first forward:
-it keeps its parameters after forward (backward needs them at once), it owns
-the post-forward order that drives backward prefetch, and it queues the
-end-of-backward callback. A submodule's forward before the root has run once
-has no root to report to, so it is an error.
+The root is the sharded module whose forward runs first, found lazily then:
+it owns the post-forward order that drives backward prefetch, and it queues
+the end-of-backward callback. Backward needs its parameters at once, so it
+keeps them after forward unless told otherwise. The two front ends differ
+where they copy PyTorch (``composable``):
+
+- ``fully_shard`` (FSDP2's rules): ``reshard_after_forward=None`` means
+  "``True``, except ``False`` for the root", resolved at lazy init; an explicit
+  ``True`` on the root reshards it after every forward, eval included. A
+  submodule whose forward runs before its root's becomes the root of its own
+  subtree, and the real root's first forward then fails: the tree was set up
+  from the wrong end. A ``fully_shard([a, b])`` group cannot be the root (it
+  has no single forward to start and end the step).
+- the wrapper (FSDP1's rules): the root keeps its parameters after a forward
+  with grad enabled whatever ``reshard_after_forward`` says, and a submodule's
+  forward before the root has run once is an error.
+
+[Note: recovering from a failed step]
+An exception in the middle of forward or backward leaves units gathered, a
+reduction in flight, training states half-way and the end-of-backward callback
+marked as queued (autograd drops it with the failed graph). ``reset_iter_state``
+on the root waits for what is in flight (a collective cannot be abandoned on
+one rank), discards the step's unreduced and in-flight gradients, reshards
+every unit and clears the per-step bookkeeping, so the next step starts clean.
+Gradients already reduced into the sharded parameters before the failure stay;
+``optimizer.zero_grad()`` clears them as usual.
+
+[Note: parameters replaced before the first forward]
+``fully_shard`` registers each parameter's sharded DTensor on its module; a
+user may replace it before training starts (``module.weight =
+nn.Parameter(distribute_tensor(...))``, a loader assigning tensors). At lazy
+init, and before an explicit ``unshard()``, the unit adopts a DTensor
+parameter of the same global shape, mesh and placements: its local tensor
+becomes the shard that forward gathers. A plain (full) tensor is refused with
+PyTorch's exception type, AttributeError, naming the parameter and the fix.
 """
 
 from __future__ import annotations
@@ -29,10 +59,12 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 
 from shard_runtime._compile import eager_hook
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
+from shard_runtime._per_param import PerParamGroup
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
@@ -86,12 +118,17 @@ class ShardState:
         forward_prefetch_implicit: bool = False,
         cast_root_inputs: bool = False,
         limit_all_gathers: bool = False,
+        composable: bool = False,
+        auto_reshard_after_forward: bool = False,
     ) -> None:
         self.modules = modules
         self.class_name = ",".join(type(m).__name__ for m in modules)
         self.unit = unit
-        self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
+        # - front end rules; see [Note: the root]
+        self.composable = composable
+        self.reshard_after_forward = reshard_after_forward
+        self.auto_reshard_after_forward = auto_reshard_after_forward
         # - tree, filled by fully_shard and the root's lazy init
         self.parent: ShardState | None = None
         self.root: ShardState | None = None
@@ -99,7 +136,6 @@ class ShardState:
         self.all_states: list[ShardState] = []
         self.post_forward_order: list[ShardState] = []
         self._final_callback_queued = False
-        self._pending_reduce: PendingReduce | None = None
         self.last_forward_order: list[ShardState] = []
         # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
         self.forward_prefetch: list[ShardState] | None = None
@@ -112,6 +148,7 @@ class ShardState:
         #   and the end of each backward
         self.on_forward_gather: Callable[[str], None] | None = None
         self.on_iteration_end: Callable[[], None] | None = None
+        self.on_iteration_abort: Callable[[], None] | None = None
         # - grouped modules: reshard once the last of them has run forward
         self._forwards_done: set[int] = set()
         unit.on_all_grads_ready = self._on_all_grads_ready
@@ -140,7 +177,7 @@ class ShardState:
     # ------------------------------------------------------------------ lazy init
 
     def _lazy_init(self) -> None:
-        if self.parent is not None:
+        if self.parent is not None and not self.composable:
             outer = self.parent
             while outer.parent is not None:
                 outer = outer.parent
@@ -150,7 +187,24 @@ class ShardState:
                 "module's forward first (it sets up the whole tree), then submodules may run "
                 "on their own"
             )
+        if self.composable and len(self.modules) > 1:
+            raise RuntimeError(
+                f"fully_shard: the modules grouped by one fully_shard([...]) call "
+                f"({self.class_name}) ran forward as the root; a root must be one module: also "
+                "apply fully_shard to the module that contains them (fully_shard(model)), after "
+                "the grouped call"
+            )
         states = states_in(self.modules)
+        early = [s for s in states if s is not self and s.root is not None]
+        if early:
+            raise RuntimeError(
+                f"fully_shard: {early[0].class_name} ({early[0].label!r}) already ran forward "
+                f"as a root before the first forward of {self.class_name}, the sharded module "
+                "that contains it; run the outermost sharded module's forward first (it sets "
+                "up the whole tree), then submodules may run on their own"
+            )
+        for state in states:
+            state.adopt_replaced_params()
         self.all_states = states
         self.name_inner_units()
         model_order = {
@@ -170,10 +224,14 @@ class ShardState:
             )
         for state in states:
             state.root = self
+        if self.composable and self.auto_reshard_after_forward:
+            # See [Note: the root]: backward needs the root's parameters at once.
+            self.reshard_after_forward = False
         if order_check_enabled() and self.on_forward_gather is None:
             checker = ForwardOrderChecker(None)
             self.on_forward_gather = checker.record
             self.on_iteration_end = checker.end_iteration
+            self.on_iteration_abort = checker.abandon_iteration
 
     def name_inner_units(self) -> None:
         """Label every unit below this one by its qualified name under this one's module(s)."""
@@ -229,8 +287,7 @@ class ShardState:
         self._forwards_done.add(id(module))
         if len(self._forwards_done) >= len(self.modules):
             self._forwards_done.clear()
-            # See [Note: the root]: it keeps its parameters for backward, not for eval.
-            if self.reshard_after_forward and not (self.is_root and grad_enabled):
+            if self._reshards_after_forward(grad_enabled):
                 if grad_enabled:
                     self.unit.reshard_post_forward()
                 else:
@@ -246,6 +303,116 @@ class ShardState:
             output = map_tensors(lambda t: _cast_floating(t, dtype), output)
         self.unit.training_state = TrainingState.IDLE
         return output
+
+    def _reshards_after_forward(self, grad_enabled: bool) -> bool:
+        if not self.reshard_after_forward:
+            return False
+        if self.composable:
+            return True
+        # See [Note: the root]: the wrapper's root keeps its parameters for backward,
+        # not for eval.
+        return not (self.is_root and grad_enabled)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+        """Fix the unit's post-forward policy (no longer decided by root-ness)."""
+        self.reshard_after_forward = reshard_after_forward
+        self.auto_reshard_after_forward = False
+
+    # ------------------------------------------------------------------ replaced parameters
+
+    def adopt_replaced_params(self) -> None:
+        """Adopt sharded parameters the user registered in place of the unit's own.
+
+        See [Note: parameters replaced before the first forward].
+        """
+        group = self.unit.group
+        if not isinstance(group, PerParamGroup) or self.unit.sharded_state is not (
+            ShardedState.SHARDED
+        ):
+            return
+        adopted = False
+        for p in group.params:
+            for owner in p.owners:
+                current = owner.module._parameters.get(owner.name)
+                if current is p.sharded_param or current is p.unsharded_param:
+                    continue
+                self._check_replacement(p.fqn, current, p.sharded_param)
+                assert current is not None
+                p.sharded_param = current
+                adopted = True
+        if adopted:
+            for p in group.params:
+                p.to_sharded()  # every owner of a tied parameter sees the adopted one
+            self.unit.reset_after_apply()
+
+    def _check_replacement(self, fqn: str, new: object, old: nn.Parameter) -> None:
+        """Raise unless ``new`` can stand in for the sharded parameter ``old``."""
+        where = (
+            f"fully_shard({self.label or 'root'}): parameter {fqn!r} was replaced after fully_shard"
+        )
+        assert isinstance(old, DTensor)
+        if not isinstance(new, DTensor):
+            seen = (
+                "None"
+                if not isinstance(new, torch.Tensor)
+                else (f"a {type(new).__name__} of shape {tuple(new.shape)}")
+            )
+            raise AttributeError(
+                f"{where} by {seen}, not a DTensor sharded like the original; assign "
+                f"nn.Parameter(distribute_tensor(value, mesh, {list(old.placements)})) instead, "
+                "or copy the values into the existing parameter: with torch.no_grad(): "
+                "param.copy_(distribute_tensor(value, param.device_mesh, param.placements))"
+            )
+        if (
+            new.shape != old.shape
+            or new.device_mesh != old.device_mesh
+            or tuple(new.placements) != tuple(old.placements)
+            or new.requires_grad != old.requires_grad
+        ):
+            raise ValueError(
+                f"{where} by a DTensor of shape {tuple(new.shape)}, placements "
+                f"{tuple(new.placements)}, requires_grad={new.requires_grad} on mesh "
+                f"{new.device_mesh}; the unit shards it as shape {tuple(old.shape)}, placements "
+                f"{tuple(old.placements)}, requires_grad={old.requires_grad} on mesh "
+                f"{old.device_mesh}: assign a DTensor that matches, or copy the values into the "
+                "existing parameter"
+            )
+
+    # ------------------------------------------------------------------ recovery
+
+    def reset_iter_state(self) -> None:
+        """Abandon a step that raised; see [Note: recovering from a failed step]."""
+        if self.root is not None and self.root is not self:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root sharded module, not on "
+                f"{self.class_name} ({self.label!r}); call it on the module whose forward "
+                f"runs first, {self.root.class_name}"
+            )
+        ctx = self.unit.comm_ctx
+        for pending in ctx.in_flight:
+            if isinstance(pending, PendingReduce):
+                if not pending.done:
+                    pending.work.wait()  # the peers take part in it; its result is dropped
+                    pending.done = True
+            else:
+                pending.finish()
+        ctx.in_flight.clear()
+        for state in self.all_states or states_in(self.modules):
+            unit = state.unit
+            unit.reshard()  # waits for a gather in flight
+            group = unit.group
+            if isinstance(group, PerParamGroup):
+                for p in group.params:
+                    p.unsharded_param.grad = None
+                group._with_grad.clear()  # the dropped reduction's bookkeeping
+            unit._partial_reduce = None
+            unit.reset_backward()
+            unit.training_state = TrainingState.IDLE
+            state._forwards_done.clear()
+        self.post_forward_order.clear()
+        self._final_callback_queued = False
+        if self.on_iteration_abort is not None:
+            self.on_iteration_abort()
 
     # ------------------------------------------------------------------ backward
 
@@ -265,7 +432,8 @@ class ShardState:
         self.unit.unshard()
         if self.backward_prefetch is not None or self.backward_prefetch_mode == "pre":
             for target in self._backward_prefetch_targets():
-                self._prefetch(target)
+                if target.unit.unshard_in_backward:
+                    self._prefetch(target)
 
     def _prefetch(self, target: ShardState) -> None:
         """Start ``target``'s all-gather unless it is gathered or too many are in flight."""
@@ -317,18 +485,23 @@ class ShardState:
         assert root is not None
         if self.backward_prefetch is None and self.backward_prefetch_mode == "post":
             for target in self._backward_prefetch_targets():
-                self._prefetch(target)
+                if target.unit.unshard_in_backward:
+                    self._prefetch(target)
         if unit.requires_gradient_sync:
-            root._queue_reduce(unit.reduce_grads())
+            if isinstance(unit.group, PerParamGroup):
+                # Zeros reach parameters without a gradient only when asked for, as in
+                # PyTorch; otherwise they keep grad None and the optimizer skips them.
+                unit.group.zero_unused_grads = unit.reduce_scatter_unused_params
+            root._queue_reduce(unit.reduce_grads(), unit.reduce_scatter_max_input_buffers)
         if unit.reshard_after_backward:
             unit.reshard()
         unit.training_state = TrainingState.POST_BACKWARD
 
-    def _queue_reduce(self, pending: PendingReduce | None) -> None:
-        # One reduction in flight at a time bounds the memory held by reduce buffers.
-        if self._pending_reduce is not None:
-            self._pending_reduce.finish()
-        self._pending_reduce = pending
+    def _queue_reduce(self, pending: PendingReduce | None, limit: int = 1) -> None:
+        # At most ``limit`` reductions in flight (one unless the unit's
+        # set_reduce_scatter_max_input_buffers raised it) bounds the memory their
+        # buffers hold. See [Note: Sharing the communication context] in _comm.py.
+        self.unit.comm_ctx.queue(pending, limit)
 
     def _end_of_backward(self) -> None:
         for state in self.all_states:
@@ -337,7 +510,9 @@ class ShardState:
                 # A prefetch nobody consumed: its data would be stale after the optimizer step.
                 unit.reshard()
             if unit.training_state is not TrainingState.POST_BACKWARD and (
-                unit.sharded_state is ShardedState.UNSHARDED or unit.has_unsharded_grads()
+                unit.sharded_state is ShardedState.UNSHARDED
+                or unit.has_unsharded_grads()
+                or unit.reduce_scatter_unused_params
             ):
                 state._post_backward()
             elif unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (

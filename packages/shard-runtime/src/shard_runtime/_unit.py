@@ -6,13 +6,43 @@ replicas on a 2-D mesh) sends all of its gradients out. Front ends decide
 *when* (hooks, prefetch, reshard policy); the unit decides *how* (streams,
 groups, dtypes, divide factors); its :class:`~shard_runtime._group.ParamGroup`
 decides *where* the bytes live (per-parameter or flat layout).
+
+[Note: Communication controls]
+``FSDPModule.set_*`` methods steer how one unit communicates, as PyTorch's do:
+
+- where the gradient is divided. By default the reduction averages over
+  every data-parallel rank (shard x replicate), split into a division before
+  and one after the sum (see [Note: Divide factors] in shard-comms).
+  ``gradient_divide_factor`` divides by that number instead, after the sum.
+  ``force_sum_reduction_for_comms`` asks for pure sums on the wire: the
+  collectives only add, and the division (by the factor, or by the
+  data-parallel size) runs after them, as separate steps (for fp16-like
+  reduce dtypes part of it before the sum, against overflow);
+- ``all_reduce_hook`` runs on this rank's reduced gradient shard after the
+  collectives (after the replica all-reduce on a 2-D mesh, instead of it on a
+  1-D one, where a user brings their own replication) and before the division
+  ``force_sum_reduction_for_comms`` moved after them, so it sees sums then;
+- ``unshard_in_backward=False`` skips the all-gather before the unit's
+  backward (and backward prefetches of it), for units whose backward needs no
+  parameter values (an embedding's gradient needs only the indices);
+- ``reduce_scatter_unused_params`` reduces a zero gradient for a unit that
+  got none in a backward (every rank then issues the same reduce-scatters);
+  parameters without a gradient inside a unit that has some are always sent
+  as zeros, so ranks never disagree on a reduce-scatter's size;
+- ``reduce_scatter_group`` is a second process group over the shard ranks,
+  so reduce-scatters do not queue behind all-gathers on one communicator;
+- ``custom_all_gather`` / ``custom_reduce_scatter`` replace the unit's
+  collective by a user's object (see shard-comms' ``custom_all_gather``);
+- ``comm_allocator`` takes the collectives' buffers from the process group's
+  allocator where its backend has one (``"process_group"``, ``"symm_mem"``).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -20,20 +50,37 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shard_comms import (
     CommHandle,
+    CustomAllGather,
+    CustomReduceScatter,
     DefaultGradReducer,
     all_gather,
     all_reduce,
+    comm_buffer,
+    custom_all_gather,
+    custom_reduce_scatter,
     default_divide_factors,
+    group_allocates,
     reduce_gradient,
     reduce_scatter,
 )
-from shard_core.protocols import CommHook, EventLike
-from shard_runtime._comm import streams_for
+from shard_core.protocols import CommHook, EventLike, StreamLike
+from shard_runtime._comm import CommContext, streams_for
 from shard_runtime._compile import eager_hook
 from shard_runtime._group import ParamGroup
 from shard_runtime._options import MixedPrecisionPolicy
 
-__all__ = ["PendingReduce", "PostForwardGroup", "ShardedState", "TrainingState", "Unit"]
+__all__ = [
+    "CommAllocator",
+    "DividePlan",
+    "PendingReduce",
+    "PostForwardGroup",
+    "ShardedState",
+    "TrainingState",
+    "Unit",
+]
+
+# Where a unit's collective buffers come from; see [Note: Communication controls].
+CommAllocator = Literal["default", "process_group", "symm_mem"]
 
 
 class ShardedState(enum.Enum):
@@ -98,6 +145,38 @@ class PendingReduce:
         self.done = True
 
 
+@dataclass(frozen=True, slots=True)
+class DividePlan:
+    """Where a reduction divides: see [Note: Communication controls].
+
+    The gradient is divided by ``before`` ahead of the reduce-scatter, the
+    reduce-scatter's result by ``after_scatter``, the replica all-reduce's by
+    ``after_all_reduce``; the all-reduce hook runs next, then the result is
+    divided by ``after_hook``.
+    """
+
+    before: float
+    after_scatter: float
+    after_all_reduce: float
+    after_hook: float
+
+
+def _sum_split(factor: float, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """``(before, after)`` for a division by ``factor`` around a pure sum.
+
+    fp32 and bf16 divide once, after the sum. Other dtypes (fp16; fp64 too,
+    as in PyTorch) divide by a power of two before it, about the square root
+    of ``factor``, so the sum neither overflows nor underflows; the split is
+    PyTorch's, so fp16 gradients round as they do there.
+    """
+    if reduce_dtype in (torch.float32, torch.bfloat16):
+        return 1.0, factor
+    before = 1.0
+    while factor % before == 0 and factor / before > before:
+        before *= 2
+    return before, factor / before
+
+
 @dataclass(slots=True)
 class _PendingGather:
     work: CommHandle
@@ -133,6 +212,19 @@ class Unit:
         None  # replaces the default reduction (wrapper's register_comm_hook)
     )
     on_all_grads_ready: Callable[[Unit], None] | None = None
+    # - communication controls (FSDPModule.set_*); see [Note: Communication controls]
+    gradient_divide_factor: float | None = None
+    force_sum_reduction_for_comms: bool = False
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: StreamLike | None = None
+    unshard_in_backward: bool = True
+    reduce_scatter_unused_params: bool = False
+    reduce_scatter_max_input_buffers: int = 1
+    reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
+    custom_all_gather: CustomAllGather | None = None
+    custom_reduce_scatter: CustomReduceScatter | None = None
+    comm_allocator: CommAllocator = "default"
+    comm_ctx: CommContext = field(default_factory=CommContext)  # used where the unit is root
 
     def __post_init__(self) -> None:
         self.shard_group: dist.ProcessGroup = self.mesh.get_group(self.mesh.ndim - 1)
@@ -179,6 +271,8 @@ class Unit:
         if self.group.is_empty:
             self.sharded_state = ShardedState.UNSHARDED
             return
+        if not self.unshard_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
+            return  # See [Note: Communication controls].
         self._check_materialized()
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
@@ -194,12 +288,33 @@ class Unit:
                 send, group = self._post_forward_shard, self.post_forward.group
             else:
                 send, group = self.group.gather_input(self.compute_device), self.shard_group
-            output = self.group.gather_output(self.shard_world, self.compute_device)
-            work = all_gather(output, send, group, async_op=True, label=self.comm_label)
+            output, work = self._all_gather(send, group)
             issued = stream.record_event()
         self._pending_gather = _PendingGather(work, output, send, issued)
         if not async_op:
             self.wait_for_unshard()
+
+    def _all_gather(
+        self, send: torch.Tensor, group: dist.ProcessGroup
+    ) -> tuple[torch.Tensor, CommHandle]:
+        """Issue the all-gather of ``send`` over ``group``: the user's, or shard's own."""
+        if self.custom_all_gather is not None:
+            return custom_all_gather(
+                self.custom_all_gather, send, group, async_op=True, label=self.comm_label
+            )
+        if self._group_allocates(group):
+            output = comm_buffer(
+                self.shard_world * self.group.gather_numel,
+                self.group.gather_dtype,
+                self.compute_device,
+                group,
+            )
+        else:
+            output = self.group.gather_output(self.shard_world, self.compute_device)
+        return output, all_gather(output, send, group, async_op=True, label=self.comm_label)
+
+    def _group_allocates(self, group: dist.ProcessGroup) -> bool:
+        return self.comm_allocator != "default" and group_allocates(group, self.compute_device)
 
     def wait_for_unshard(self) -> None:
         """Finish a started all-gather and register the full parameters."""
@@ -266,36 +381,73 @@ class Unit:
         """Whether any full gradient waits to be reduced."""
         return self.group.has_unsharded_grads()
 
+    def divide_plan(self, reduce_dtype: torch.dtype) -> DividePlan:
+        """Where this unit's next reduction divides; see [Note: Communication controls]."""
+        dp_size = self.shard_world * self.replicate_world
+        hsdp = self.replicate_group is not None
+        factor = self.gradient_divide_factor
+        narrow = reduce_dtype not in (torch.float32, torch.bfloat16)
+        if self.force_sum_reduction_for_comms or (narrow and factor is not None):
+            before, after = _sum_split(float(dp_size) if factor is None else factor, reduce_dtype)
+            return DividePlan(before, 1.0, 1.0, after)
+        if factor is not None:  # one division of the full sum, before the hook
+            return DividePlan(1.0, 1.0 if hsdp else factor, factor if hsdp else 1.0, 1.0)
+        pre, post = default_divide_factors(dp_size)
+        return DividePlan(pre, 1.0 if hsdp else post, post if hsdp else 1.0, 1.0)
+
     def reduce_grads(self) -> PendingReduce | None:
         """Issue the reduce-scatter of this unit's full gradients; ``None`` if there are none.
 
-        The result is averaged over every data-parallel rank (shard x replicate).
+        The result is averaged over every data-parallel rank (shard x
+        replicate) unless the unit's communication controls say otherwise (see
+        [Note: Communication controls]). With ``reduce_scatter_unused_params``
+        a unit that got no gradient reduces zeros.
         """
-        if not self.group.has_unsharded_grads():
+        if self.group.num_trainable == 0 or not (
+            self.group.has_unsharded_grads() or self.reduce_scatter_unused_params
+        ):
             return None
         if self.comm_hook is not None:
             return self._reduce_with_hook(self.comm_hook)
         reduce_dtype = self._reduce_dtype()
+        plan = self.divide_plan(reduce_dtype)
         world = self.shard_world
-        pre, post = default_divide_factors(world * self.replicate_world)
+        group = self.reduce_scatter_group or self.shard_group
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
         stream = streams.reduce_scatter
         stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
             full = self.group.reduce_input(world, reduce_dtype, self.compute_device)
-            output = torch.empty(
-                self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
-            )
-            work = reduce_scatter(
-                output,
-                full,
-                self.shard_group,
-                pre_divide=pre,
-                post_divide=post if self.replicate_group is None else 1.0,
-                async_op=True,
-                label=self.comm_label,
-            )
+            if self.custom_reduce_scatter is not None:
+                output, work = custom_reduce_scatter(
+                    self.custom_reduce_scatter,
+                    full,
+                    group,
+                    pre_divide=plan.before,
+                    post_divide=plan.after_scatter,
+                    label=self.comm_label,
+                )
+            else:
+                if self._group_allocates(group):
+                    staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
+                    full = staged.copy_(full)
+                    output = comm_buffer(
+                        self.group.reduce_numel(), reduce_dtype, self.compute_device, group
+                    )
+                else:
+                    output = torch.empty(
+                        self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
+                    )
+                work = reduce_scatter(
+                    output,
+                    full,
+                    group,
+                    pre_divide=plan.before,
+                    post_divide=plan.after_scatter,
+                    async_op=True,
+                    label=self.comm_label,
+                )
             done = stream.record_event()
 
         def finish() -> None:
@@ -311,12 +463,30 @@ class Unit:
                     output,
                     self.replicate_group,
                     pre_divide=1.0,
-                    post_divide=post,
+                    post_divide=plan.after_all_reduce,
                     label=self.comm_label,
                 ).wait()
+            if self.all_reduce_hook is not None:
+                self._run_all_reduce_hook(self.all_reduce_hook, output)
+            if plan.after_hook != 1.0:
+                output.div_(plan.after_hook)
             self.group.accumulate(output)
 
         return PendingReduce(work, finish, keep_alive=(full,))
+
+    def _run_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], output: torch.Tensor
+    ) -> None:
+        """Call ``hook`` on the reduced shard, on the user's stream when one was given."""
+        hook_stream = self.all_reduce_hook_stream
+        if hook_stream is None:
+            hook(output)
+            return
+        streams = self.streams
+        hook_stream.wait_stream(streams.current())
+        with streams.handle.stream(hook_stream):
+            hook(output)
+        streams.current().wait_stream(hook_stream)
 
     def _reduce_with_hook(self, hook: CommHook) -> PendingReduce:
         """Run a user's comm hook synchronously over the default reducer of this unit."""
