@@ -8,6 +8,7 @@ of the shared pool and trains like one process.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -38,7 +39,7 @@ from shard_core import (
 )
 from shard_core.errors import UnknownPluginNameError
 from shard_core.protocols import WrapPolicy
-from shard_runtime import FSDPModule
+from shard_runtime import FSDPModule, fully_shard
 from shard_runtime._state import get_state
 from shard_runtime._wrap import apply_wrap_policy, plan_units, resolve_wrap_policy
 from shard_testing import (
@@ -215,7 +216,8 @@ def test_resolve_pytorch_callable_policies(policy: Any, expected: list[str]) -> 
 
 
 def test_pytorch_size_policy_does_not_enter_small_subtrees() -> None:
-    """The adapter asks recurse=True with the subtree's size: below the threshold, no descent."""
+    """The adapter asks recurse=True with the subtree's size: below the threshold, no descent,
+    and (as in PyTorch's recursive wrap) the module is then not asked recurse=False either."""
     calls: list[tuple[str, bool, int]] = []
 
     def spy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
@@ -223,7 +225,7 @@ def test_pytorch_size_policy_does_not_enter_small_subtrees() -> None:
         return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=100)
 
     assert _units(Block(), spy) == [""]
-    assert calls == [("Block", True, 88), ("Block", False, 88)]
+    assert calls == [("Block", True, 88)]
 
 
 def test_resolve_unknown_name_lists_registered(registry: Registry) -> None:
@@ -467,6 +469,13 @@ def test_ignored_module_holding_a_tie_is_not_folded() -> None:
 
 # ---------------------------------------------------------------------- apply_wrap_policy
 
+# fully_shard's keyword arguments, in its signature's order (the messages list them).
+FULLY_SHARD_KWARGS = ", ".join(
+    p.name
+    for p in inspect.signature(fully_shard).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
 
 def test_apply_refuses_unknown_overrides_before_sharding() -> None:
     """Overrides naming no fully_shard argument are refused before any module is sharded."""
@@ -474,8 +483,7 @@ def test_apply_refuses_unknown_overrides_before_sharding() -> None:
     policy = CustomPolicy(lambda m: {"resharding": False} if isinstance(m, Block) else False)
     message = (
         "wrap policy answered overrides {'resharding': False} for module 'blocks.0' (Block), but "
-        "fully_shard does not take resharding; overrides may name mesh, reshard_after_forward, "
-        "mp_policy, offload_policy, ignored_params"
+        f"fully_shard does not take resharding; overrides may name {FULLY_SHARD_KWARGS}"
     )
     with pytest.raises(WrapPlanError, match=f"^{re.escape(message)}$"):
         apply_wrap_policy(model, policy)
@@ -486,8 +494,9 @@ def test_apply_refuses_unknown_keyword_arguments() -> None:
     """A keyword argument fully_shard does not take is a TypeError listing the ones it takes."""
     message = (
         "apply_wrap_policy() got keyword arguments fully_shard does not take: mseh; it takes "
-        "mesh, reshard_after_forward, mp_policy, offload_policy, ignored_params"
+        f"{FULLY_SHARD_KWARGS}"
     )
+    assert FULLY_SHARD_KWARGS.startswith("mesh, reshard_after_forward, ")
     with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
         apply_wrap_policy(GPT(tied=False), Block, mseh=None)
 

@@ -25,6 +25,7 @@ from shard_runtime import (
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
+    clean_fqn,
     fully_shard,
 )
 from shard_testing import RankPool
@@ -249,8 +250,10 @@ def test_121_element_unit_holds_61_per_rank(rank_pool: RankPool) -> None:
     ref = nn.Linear(10, 11)
     full = torch.cat([ref.weight.detach().reshape(-1), ref.bias.detach()])
     rank0, rank1 = rank_pool.run(_shards, 2)
-    assert [(n, tuple(p.shape)) for n, p in rank0["flat"]] == [("_flat_param", (61,))]
-    assert [(n, tuple(p.shape)) for n, p in rank1["flat"]] == [("_flat_param", (61,))]
+    # PyTorch's name: the flat parameter hangs under the wrapped module.
+    expected = [("_fsdp_wrapped_module._flat_param", (61,))]
+    assert [(n, tuple(p.shape)) for n, p in rank0["flat"]] == expected
+    assert [(n, tuple(p.shape)) for n, p in rank1["flat"]] == expected
     torch.testing.assert_close(rank0["flat"][0][1], full[:61], rtol=0, atol=0)
     torch.testing.assert_close(rank1["flat"][0][1][:60], full[61:], rtol=0, atol=0)
     assert rank1["flat"][0][1][60].item() == 0.0
@@ -266,8 +269,13 @@ def test_orig_params_are_1d_pieces_of_the_aligned_flat_shard(rank_pool: RankPool
     ref = nn.Linear(10, 11)
     weight = ref.weight.detach().reshape(-1)
     rank0, rank1 = rank_pool.run(_shards, 2)
-    assert [(n, tuple(p.shape)) for n, p in rank0["orig"]] == [("weight", (62,)), ("bias", (0,))]
-    assert [(n, tuple(p.shape)) for n, p in rank1["orig"]] == [("weight", (48,)), ("bias", (11,))]
+    names = ["_fsdp_wrapped_module.weight", "_fsdp_wrapped_module.bias"]
+    assert [(n, tuple(p.shape)) for n, p in rank0["orig"]] == list(
+        zip(names, [(62,), (0,)], strict=True)
+    )
+    assert [(n, tuple(p.shape)) for n, p in rank1["orig"]] == list(
+        zip(names, [(48,), (11,)], strict=True)
+    )
     torch.testing.assert_close(rank0["orig"][0][1], weight[:62], rtol=0, atol=0)
     torch.testing.assert_close(rank1["orig"][0][1], weight[62:], rtol=0, atol=0)
     torch.testing.assert_close(rank1["orig"][1][1], ref.bias.detach(), rtol=0, atol=0)
@@ -280,7 +288,7 @@ def _names(use_orig_params: bool) -> dict[str, Any]:
         reloaded = _error(lambda: model.load_state_dict(state))
     return {
         "named_parameters": [(n, tuple(p.shape)) for n, p in model.named_parameters()],
-        "values": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "values": {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()},
         "parameters": [tuple(p.shape) for p in model.parameters()],
         "state_dict": {
             k: (type(v).__name__, tuple(v.shape), tuple(v.to_local().shape))
@@ -291,33 +299,42 @@ def _names(use_orig_params: bool) -> dict[str, Any]:
 
 
 FLAT_NAMES = ["_flat_param", "blocks.0._flat_param", "blocks.1._flat_param", "blocks.2._flat_param"]
+# What PyTorch's wrapper calls them in named_parameters(): each under its wrapped module.
+TORCH_FLAT_NAMES = [
+    "_fsdp_wrapped_module._flat_param",
+    *(f"_fsdp_wrapped_module.blocks.{i}._fsdp_wrapped_module._flat_param" for i in range(3)),
+]
 
 
-def test_flat_parameters_are_named_without_internal_prefixes(rank_pool: RankPool) -> None:
-    """use_orig_params=False: parameters() and LOCAL state dicts are the flat shards, named as
-    their wrappers are (padded global size in the LOCAL DTensors)."""
+def test_flat_parameters_are_named_as_in_pytorch(rank_pool: RankPool) -> None:
+    """use_orig_params=False: parameters() are the flat shards under PyTorch's names; LOCAL
+    state dicts name them without wrapper segments (padded global size in the DTensors)."""
     for result in rank_pool.run(_names, 2, False):
         # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
-        expected = list(zip(FLAT_NAMES, [(52,), (226,), (226,), (226,)], strict=True))
-        assert result["named_parameters"] == expected
-        assert result["parameters"] == [shape for _, shape in expected]
+        sizes = [(52,), (226,), (226,), (226,)]
+        assert result["named_parameters"] == list(zip(TORCH_FLAT_NAMES, sizes, strict=True))
+        assert result["parameters"] == sizes
         assert result["state_dict"] == {
-            name: ("DTensor", (2 * n,), (n,)) for name, (n,) in expected
+            name: ("DTensor", (2 * n,), (n,)) for name, (n,) in zip(FLAT_NAMES, sizes, strict=True)
         }
         assert result["load_state_dict"] == "no error"
 
 
 def test_orig_parameters_keep_their_names_as_1d_local_pieces(rank_pool: RankPool) -> None:
-    """use_orig_params=True: the original names; the two ranks' pieces make each parameter."""
+    """use_orig_params=True: the original names (with PyTorch's wrapper segments); the two
+    ranks' pieces make each parameter."""
     ref = dict(ToyNet().named_parameters())
     rank0, rank1 = rank_pool.run(_names, 2, True)
     for result in (rank0, rank1):
-        assert [n for n, _ in result["named_parameters"]] == PARAM_NAMES
+        names = [n for n, _ in result["named_parameters"]]
+        assert [clean_fqn(n) for n in names] == PARAM_NAMES
+        assert names[0] == "_fsdp_wrapped_module.embed.weight"
+        assert names[2] == "_fsdp_wrapped_module.blocks.0._fsdp_wrapped_module.inner.weight"
         assert all(len(shape) == 1 for _, shape in result["named_parameters"])
         assert list(result["state_dict"]) == FLAT_NAMES  # LOCAL: the flat shards, either way
         assert result["load_state_dict"] == "no error"
     for name, param in ref.items():
-        joined = torch.cat([rank0["values"][name], rank1["values"][name]])
+        joined = torch.cat([rank0["values"][name], rank1["values"][name]])  # by clean name
         torch.testing.assert_close(joined, param.detach().reshape(-1), rtol=0, atol=0)
 
 
@@ -419,7 +436,10 @@ def test_root_without_parameters_of_its_own_trains(rank_pool: RankPool) -> None:
     """A root whose children are all units (an empty flat unit) runs forward, backward, summon."""
     for result in rank_pool.run(_parameterless_root, 2):
         # 0: 6 + 3 = 9 -> 5 per rank; 1: 6 + 2 = 8 -> 4 per rank
-        assert result["named_parameters"] == [("0._flat_param", (5,)), ("1._flat_param", (4,))]
+        assert result["named_parameters"] == [
+            ("_fsdp_wrapped_module.0._fsdp_wrapped_module._flat_param", (5,)),
+            ("_fsdp_wrapped_module.1._fsdp_wrapped_module._flat_param", (4,)),
+        ]
         assert result["grads"] == [True, True]
         assert result["full"] == [(3, 2), (2, 3)]
 
@@ -525,8 +545,8 @@ def test_summon_rank0_only_shows_full_parameters_on_rank_0_only(
     assert rank1["rank0_only"] == NOT_SUMMONED[orig][1]
     for result in (rank0, rank1):
         assert result["rank0_writeback"] == (
-            "ValueError: summon_full_params: rank0_only=True cannot write back (other ranks see "
-            "no full parameters); pass writeback=False"
+            "NotImplementedError: summon_full_params: rank0_only=True cannot write back (other "
+            "ranks see no full parameters); pass writeback=False"
         )
 
 
@@ -567,7 +587,9 @@ def test_summon_with_grads_shows_the_averaged_single_process_gradient(
             torch.testing.assert_close(result["grads"][name], param.grad)
         assert result["restored"] is True
         assert result["flat"] == (
-            "ValueError: summon_full_params: with_grads=True needs use_orig_params=True"
+            "NotImplementedError: summon_full_params: with_grads=True needs "
+            "use_orig_params=True, but the unit 'ToyNet' was wrapped with "
+            "use_orig_params=False; wrap with use_orig_params=True to see full gradients"
         )
 
 
@@ -575,7 +597,7 @@ def _with_grads_before_backward() -> dict[str, bool]:
     model = _toynet(use_orig_params=True)
     with FSDP.summon_full_params(model, with_grads=True, writeback=False):
         pass
-    return {n: p.grad is None for n, p in model.named_parameters()}
+    return {clean_fqn(n): p.grad is None for n, p in model.named_parameters()}
 
 
 def test_summon_with_grads_leaves_missing_gradients_missing(rank_pool: RankPool) -> None:

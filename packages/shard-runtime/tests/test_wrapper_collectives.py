@@ -24,6 +24,7 @@ from shard_runtime import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
+    clean_fqn,
 )
 from shard_testing import RankPool
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches
@@ -132,7 +133,9 @@ def _grads(hook: object, mixed_precision: MixedPrecision | None = None) -> dict[
         model.register_comm_hook(hook)
     x, y = toy_batches(world, 1)[0][0][rank]
     nn.functional.mse_loss(model(x), y).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        clean_fqn(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
     calls_after_one = list(hook.calls) if isinstance(hook, CountingHook) else []
     model.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()

@@ -13,10 +13,12 @@ Two faces, as in PyTorch's wrapper:
 - ``use_orig_params=False``: the unit registers one ``nn.Parameter``, the
   flat shard (``_flat_param``), on its wrapper; the original parameters are
   removed from their modules and come back as plain tensor views only while
-  the unit is unsharded. In between, each module holds a shape-only
-  placeholder (a meta tensor of the parameter's full shape and dtype) under
-  the parameter's name, so that ``print(model)`` and shape checks work, as
-  with PyTorch's wrapper; reading values needs ``summon_full_params``.
+  the unit is unsharded for compute (as ``nn.Parameter`` views inside
+  ``summon_full_params``, which users read and edit by name). In between,
+  each module holds a shape-only placeholder (a meta tensor of the
+  parameter's full shape and dtype) under the parameter's name, so that
+  ``print(model)`` and shape checks work, as with PyTorch's wrapper; reading
+  values needs ``summon_full_params``.
 - ``use_orig_params=True``: the original ``nn.Parameter`` objects stay (the
   optimizer holds them). Between steps each one's ``.data`` is its 1-D piece
   of the local shard (possibly empty) and its ``.grad`` the matching piece of
@@ -252,21 +254,31 @@ class FlatParamGroup:
 
     @contextmanager
     def full_precision_views(self, full: torch.Tensor) -> Iterator[None]:
-        """Register views of ``full`` (a gathered full-precision flat buffer) as the parameters."""
+        """Register views of ``full`` (a gathered full-precision flat buffer) as the parameters.
+
+        Each is an ``nn.Parameter`` in its module's ``_parameters``, as with
+        PyTorch's wrapper inside ``summon_full_params``, so ``named_parameters()``
+        lists the original parameters with their full shapes and in-place edits
+        land in ``full``: the original objects with ``use_orig_params``, one new
+        parameter per original (shared by all of its owners) otherwise.
+        """
         views = self._views(full)
         for spec, view in zip(self.specs, views, strict=True):
+            if self.use_orig_params:
+                spec.param.data = view
+                param = spec.param
+            else:
+                param = nn.Parameter(view, requires_grad=spec.param.requires_grad)
             for owner in spec.owners:
-                owner.module._parameters.pop(owner.name, None)
-                if self.use_orig_params:
-                    spec.param.data = view
-                    owner.module._parameters[owner.name] = spec.param
-                else:
-                    setattr(owner.module, owner.name, view)
+                owner.module.__dict__.pop(owner.name, None)  # the shape-only placeholder
+                owner.module._parameters[owner.name] = param
         try:
             yield
         finally:
             for spec in self.specs:
                 for owner in spec.owners:
+                    if not self.use_orig_params:
+                        owner.module._parameters.pop(owner.name, None)
                     owner.module.__dict__.pop(owner.name, None)
             if self.use_orig_params:
                 self._point_orig_params_at_shard()

@@ -1,6 +1,8 @@
 """Which state dict ``FullyShardedDataParallel.state_dict()`` returns, with PyTorch's names.
 
-The type and its config are set on every wrapper of a model
+The configs are mutable dataclasses with PyTorch's fields, defaults and field
+order, so code that builds one and then sets ``config.rank0_only = True``
+runs unchanged. The type and its config are set on every wrapper of a model
 (``FullyShardedDataParallel.set_state_dict_type`` or the
 ``state_dict_type`` context manager); the root wrapper's ``state_dict()``
 and ``load_state_dict()`` honour them. Full and sharded state dicts are
@@ -10,7 +12,7 @@ built by shard-checkpoint, reached through the plugin registry.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -58,7 +60,7 @@ class OptimStateKeyType(enum.Enum):
     PARAM_ID = enum.auto()
 
 
-@dataclass(frozen=True)
+@dataclass
 class StateDictConfig:
     """Options shared by every state-dict type.
 
@@ -69,7 +71,7 @@ class StateDictConfig:
     offload_to_cpu: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class FullStateDictConfig(StateDictConfig):
     """Options of ``FULL_STATE_DICT``.
 
@@ -81,7 +83,7 @@ class FullStateDictConfig(StateDictConfig):
     rank0_only: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalStateDictConfig(StateDictConfig):
     """Options of ``LOCAL_STATE_DICT``.
 
@@ -90,16 +92,21 @@ class LocalStateDictConfig(StateDictConfig):
     """
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardedStateDictConfig(StateDictConfig):
     """Options of ``SHARDED_STATE_DICT``.
 
     Attributes:
         offload_to_cpu: the DTensors' local tensors on the CPU.
+        _use_dtensor: kept so that configs written for PyTorch construct and
+            compare the same; values are ``DTensor``s whatever it says (PyTorch's
+            other choice, ``ShardedTensor``, is deprecated there).
     """
 
+    _use_dtensor: bool = False
 
-@dataclass(frozen=True)
+
+@dataclass
 class OptimStateDictConfig:
     """Options shared by every optimizer state-dict type.
 
@@ -110,7 +117,7 @@ class OptimStateDictConfig:
     offload_to_cpu: bool = True
 
 
-@dataclass(frozen=True)
+@dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
     """Options of full optimizer state dicts.
 
@@ -122,7 +129,7 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
     rank0_only: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
     """Options of local optimizer state dicts.
 
@@ -133,13 +140,16 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     """Options of sharded optimizer state dicts.
 
     Attributes:
         offload_to_cpu: move the values to the CPU.
+        _use_dtensor: as :attr:`ShardedStateDictConfig._use_dtensor`.
     """
+
+    _use_dtensor: bool = False
 
 
 _DEFAULT_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimStateDictConfig]]] = {
@@ -149,19 +159,19 @@ _DEFAULT_CONFIGS: dict[StateDictType, tuple[type[StateDictConfig], type[OptimSta
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class StateDictSettings:
     """The state-dict type of a model and its configs.
 
     Attributes:
         state_dict_type: the kind of model state dict.
-        state_dict_config: its options (the type's default config when not given).
+        state_dict_config: its options (:meth:`of` fills in the type's default).
         optim_state_dict_config: the optimizer state dict's options.
     """
 
     state_dict_type: StateDictType
-    state_dict_config: StateDictConfig = field(default_factory=StateDictConfig)
-    optim_state_dict_config: OptimStateDictConfig = field(default_factory=OptimStateDictConfig)
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
 
     @classmethod
     def of(

@@ -19,14 +19,25 @@ or share storage. When one alias group is used by several units, the units
 holding only part of it are dropped, those units and every unit between them
 and the nearest unit above that contains all of them, so the group lands in
 that unit (the root at worst). Folds repeat until no group is split.
+
+[Note: PyTorch's policy functions]
+PyTorch's wrapper also takes a policy as a function
+``fn(module, recurse, nonwrapped_numel) -> bool``, usually one of the four in
+``torch.distributed.fsdp.wrap`` bound with ``functools.partial``. Scripts
+import those functions by name, so this module defines functions of the same
+names, signatures and answers; :func:`resolve_wrap_policy` turns any such
+function (theirs, ours or the user's) into a ``WrapPolicy``, so they work
+with both front ends. ``enable_wrap``/``wrap`` are PyTorch's manual wrapping:
+the model wraps its own layers while it builds them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Set
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeAlias, TypeVar
 
@@ -38,7 +49,18 @@ from shard_core.errors import WrapPlanError
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._fully_shard import fully_shard
 
-__all__ = ["WrapPolicyLike", "apply_wrap_policy", "plan_units", "resolve_wrap_policy"]
+__all__ = [
+    "WrapPolicyLike",
+    "always_wrap_policy",
+    "apply_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "plan_units",
+    "resolve_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
 
 _log = logging.getLogger("shard.runtime")
 
@@ -181,9 +203,15 @@ def _unsupported(policy: object) -> str:
 
 
 class _AutoWrapFnPolicy:
-    """PyTorch's callable auto-wrap policy, asked the way PyTorch asks it."""
+    """PyTorch's callable auto-wrap policy, asked the way PyTorch asks it.
 
-    __slots__ = ("_fn",)
+    As in PyTorch's recursive wrap, a module the function refuses to descend
+    into (``recurse=True`` answered falsy) is not asked again and never becomes
+    a unit itself, its whole subtree staying with the unit above; and the
+    answer for ``recurse=False`` counts by truthiness.
+    """
+
+    __slots__ = ("_fn", "_leaves")
 
     def __init__(self, fn: AutoWrapFn) -> None:
         try:
@@ -197,16 +225,23 @@ class _AutoWrapFnPolicy:
         except ValueError:  # no signature to check (a builtin); the call will tell
             pass
         self._fn = fn
+        self._leaves: set[int] = set()
 
     def descend(self, module: nn.Module, name: str) -> bool:
         numel = sum(p.numel() for p in module.parameters())
-        return bool(self._fn(module=module, recurse=True, nonwrapped_numel=numel))
+        if self._fn(module=module, recurse=True, nonwrapped_numel=numel):
+            self._leaves.discard(id(module))
+            return True
+        self._leaves.add(id(module))
+        return False
 
     def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
-        decision: WrapDecision = self._fn(
-            module=module, recurse=False, nonwrapped_numel=unwrapped_numel
-        )
-        return decision
+        if id(module) in self._leaves:
+            return False
+        decision: object = self._fn(module=module, recurse=False, nonwrapped_numel=unwrapped_numel)
+        if isinstance(decision, Mapping):
+            return decision
+        return bool(decision)
 
     def __repr__(self) -> str:
         fn = self._fn
@@ -214,6 +249,149 @@ class _AutoWrapFnPolicy:
             args = ", ".join(f"{k}={v!r}" for k, v in fn.keywords.items())
             return f"AutoWrapFnPolicy({getattr(fn.func, '__name__', repr(fn.func))}, {args})"
         return f"AutoWrapFnPolicy({getattr(fn, '__name__', repr(fn))})"
+
+
+# ---------------------------------------------------------------------- PyTorch's policy functions
+# See [Note: PyTorch's policy functions].
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Every module becomes a unit of its own (PyTorch's ``always_wrap_policy``)."""
+    return True
+
+
+def lambda_auto_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[..., Any]
+) -> bool:
+    """A module becomes a unit when ``lambda_fn(module)`` is truthy; every subtree is entered.
+
+    Bind ``lambda_fn`` with ``functools.partial`` to make it a policy.
+    """
+    if recurse:
+        return True
+    return lambda_fn(module)  # type: ignore[no-any-return]  # truthiness, as PyTorch's
+
+
+def transformer_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    transformer_layer_cls: Set[type[nn.Module]],
+) -> bool:
+    """Every instance of a class in ``transformer_layer_cls`` becomes a unit.
+
+    The policy for transformers: one unit per block, and whatever the blocks
+    leave (embeddings, the head, tied weights) in the unit above. Bind
+    ``transformer_layer_cls`` with ``functools.partial``.
+    """
+    if recurse:
+        return True
+    return isinstance(module, tuple(transformer_layer_cls))
+
+
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Set[type[nn.Module]] | None = None,
+    exclude_wrap_modules: Set[type[nn.Module]] | None = None,
+) -> bool:
+    """A module becomes a unit once it holds ``min_num_params`` parameters no unit below claimed.
+
+    Walking down, the subtree is entered only while it holds at least
+    ``min_num_params`` and the module is not of a class in
+    ``force_leaf_modules`` (default: the function's ``FORCE_LEAF_MODULES``,
+    ``{nn.MultiheadAttention}``, whose forward reads its parameters
+    directly); a module of a class in ``exclude_wrap_modules`` (default
+    ``EXCLUDE_WRAP_MODULES``, the containers ``nn.ModuleList`` and
+    ``nn.ModuleDict``, which have no forward) is never a unit. Bind the
+    options with ``functools.partial``.
+    """
+    leaves = (
+        size_based_auto_wrap_policy.FORCE_LEAF_MODULES  # type: ignore[attr-defined]
+        if force_leaf_modules is None
+        else force_leaf_modules
+    )
+    excluded = (
+        size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES  # type: ignore[attr-defined]
+        if exclude_wrap_modules is None
+        else exclude_wrap_modules
+    )
+    is_large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, tuple(leaves))
+    return is_large and not isinstance(module, tuple(excluded))
+
+
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {  # type: ignore[attr-defined]
+    nn.ModuleList,
+    nn.ModuleDict,
+}
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------- manual wrapping
+
+
+@dataclass
+class _WrapContext:
+    """What ``enable_wrap`` set for ``wrap``: the wrapper class and its keyword arguments."""
+
+    wrapper_cls: Callable[..., nn.Module] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_WRAP_CONTEXT = _WrapContext()
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
+    """Make :func:`wrap` wrap with ``wrapper_cls(module, **wrapper_kwargs)`` inside the block.
+
+    For models that shard their large layers as they build them, so that the
+    whole model never sits unsharded in memory. Outside the block ``wrap``
+    returns the module as is, so one model class serves both.
+
+    Raises:
+        NotImplementedError: already inside an ``enable_wrap`` block (they do
+            not nest; PyTorch's exception type).
+    """
+    if _WRAP_CONTEXT.wrapper_cls is not None:
+        raise NotImplementedError(
+            f"enable_wrap: already inside an enable_wrap block (wrapper_cls="
+            f"{getattr(_WRAP_CONTEXT.wrapper_cls, '__name__', _WRAP_CONTEXT.wrapper_cls)}); "
+            "blocks do not nest: pass per-module options to wrap(module, **overrides) instead"
+        )
+    if wrapper_cls is None:
+        raise ValueError(
+            "enable_wrap: wrapper_cls is None; pass the class to wrap with, e.g. "
+            "enable_wrap(wrapper_cls=FullyShardedDataParallel)"
+        )
+    _WRAP_CONTEXT.wrapper_cls = wrapper_cls
+    _WRAP_CONTEXT.kwargs = dict(wrapper_kwargs)
+    try:
+        yield
+    finally:
+        _WRAP_CONTEXT.wrapper_cls = None
+        _WRAP_CONTEXT.kwargs = {}
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """``module`` wrapped with the class ``enable_wrap`` set, or ``module`` itself outside it.
+
+    The arguments are ``enable_wrap``'s keyword arguments, then
+    ``wrap_overrides``, then a ``_wrap_overrides`` mapping the module carries
+    (PyTorch reads it too), each replacing the ones before.
+    """
+    wrapper_cls = _WRAP_CONTEXT.wrapper_cls
+    if wrapper_cls is None:
+        return module
+    kwargs = {**_WRAP_CONTEXT.kwargs, **wrap_overrides}
+    own = getattr(module, "_wrap_overrides", None)
+    if isinstance(own, Mapping):
+        kwargs = {**kwargs, **own}
+    return wrapper_cls(module, **kwargs)
 
 
 # ---------------------------------------------------------------------- planning

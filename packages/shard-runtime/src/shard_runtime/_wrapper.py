@@ -14,6 +14,25 @@ FULL_SHARD and SHARD_GRAD_OP shard over all ranks (1-D mesh); NO_SHARD is a
 all-reduce across N replicas; the hybrid strategies shard within a group and
 all-reduce across groups. SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2 keep full
 parameters from forward to backward.
+
+[Note: parameter names]
+As in PyTorch, ``named_parameters()``/``named_buffers()`` of a wrapper give
+the raw module-tree names, ``_fsdp_wrapped_module.`` segments included, with
+each flat parameter under ``<wrapper>._fsdp_wrapped_module._flat_param``
+(where PyTorch registers it; ours hangs on the wrapper itself). Inside
+``summon_full_params`` the summoned wrappers answer without the segments, and
+each summoned unit's flat parameter steps aside for the original parameters,
+registered in their modules as ``nn.Parameter`` views of the gathered buffer:
+users read, edit and write them back by their unwrapped names. State dicts
+always use the unwrapped names.
+
+[Note: two kinds of comm hook]
+``register_comm_hook(state, hook)`` takes PyTorch's hooks and shard's. A
+PyTorch hook owns its ``state`` (a ``DefaultState`` with the process group and
+divide factors) and is called ``hook(state, grad)`` for unsharded units and
+``hook(state, grad, output)`` for sharded ones; a shard hook receives shard's
+reducer instead. PyTorch requires a state, shard's form does not, so a
+non-``None`` state that is not shard's reducer means PyTorch's kind.
 """
 
 from __future__ import annotations
@@ -31,9 +50,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import all_gather, build_mesh
+from shard_comms import DefaultGradReducer, all_gather, build_mesh
 from shard_core import get_registry
-from shard_core.protocols import CommHook, WrapDecision, WrapPolicy
+from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
 from shard_runtime._flat_units import record_buffer_dtype
 from shard_runtime._options import MixedPrecisionPolicy
@@ -182,6 +201,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
             _auto_wrap(module, auto_wrap_policy, mixed_precision, options, _shared)
         self._fsdp_wrapped_module = module
         self._state_dict_settings = StateDictSettings.of(StateDictType.FULL_STATE_DICT)
+        self._in_summon = False  # inside summon_full_params; see [Note: parameter names]
         self._init_unit()
 
     # ------------------------------------------------------------------ construction
@@ -273,14 +293,22 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
+        """PyTorch's names: wrapper segments included, except inside ``summon_full_params``.
+
+        See [Note: parameter names].
+        """
+        flat = {id(w._parameters.get(_FLAT_PARAM)) for w in self.fsdp_modules(self)}
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield clean_fqn(name), param
+            if id(param) in flat:
+                name = name[: -len(_FLAT_PARAM)] + f"{_WRAPPED}.{_FLAT_PARAM}"
+            yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), param
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """PyTorch's names: wrapper segments included, except inside ``summon_full_params``."""
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield clean_fqn(name), buffer
+            yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), buffer
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         state = _state(self)
@@ -396,13 +424,27 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
             for s, value in zip(states, saved, strict=True):
                 s.unit.requires_gradient_sync = value
 
-    def register_comm_hook(self, state: object, hook: CommHook | str | None = None) -> None:
+    def register_comm_hook(
+        self, state: object, hook: Callable[..., Any] | str | None = None
+    ) -> None:
         """Replace the gradient reduction of every unit in this tree.
 
-        ``hook`` is a :class:`~shard_core.protocols.CommHook` or a registered name
-        (``"bf16_compress"``); PyTorch's ``(state, hook)`` form is accepted and
-        ``state`` is then unused (the hook receives shard's reducer).
+        Two kinds of hook, told apart by ``state`` (see [Note: two kinds of comm hook]):
+
+        - PyTorch's: ``register_comm_hook(state, hook)`` with a ``state`` object
+          of the hook's own (``DefaultState(process_group)``,
+          ``LowPrecisionState(process_group)``) and a hook such as
+          ``default_hooks.bf16_compress_hook``, called as PyTorch calls it:
+          ``hook(state, grad)`` for NO_SHARD, ``hook(state, grad, output)``
+          otherwise, the hook dividing as it sees fit. Root only, once, not
+          with hybrid strategies (``AssertionError``, as in PyTorch).
+        - shard's: a :class:`~shard_core.protocols.CommHook` or a registered
+          name (``"bf16_compress"``), passed alone or as ``(None, hook)``; it
+          receives shard's reducer.
         """
+        if _is_torch_comm_hook(state, hook):
+            self._register_torch_comm_hook(state, hook)
+            return
         chosen = hook if hook is not None else state
         if isinstance(chosen, str):
             chosen = get_registry().comm_hook(chosen)
@@ -415,6 +457,41 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
             if s.root is not None and s.unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("register_comm_hook: call it before training starts")
             s.unit.comm_hook = chosen
+
+    def _register_torch_comm_hook(self, state: object, hook: object) -> None:
+        if not self.check_is_root():
+            raise AssertionError(
+                f"register_comm_hook can only be called on a root instance; this wrapper around "
+                f"{type(self.module).__name__} is inside another: call it on the outermost one"
+            )
+        if not callable(hook):
+            raise ValueError(f"The communication hook must be callable but got {hook!r}")
+        for wrapper in self.fsdp_modules(self):
+            if wrapper.sharding_strategy in HYBRID_STRATEGIES:
+                raise AssertionError(
+                    f"Communication hook is not supported for hybrid strategies: "
+                    f"{wrapper.sharding_strategy} (the wrapper around "
+                    f"{type(wrapper.module).__name__}); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+                )
+            if _state(wrapper).unit.comm_hook is not None:
+                raise AssertionError(
+                    f"A communication hook is already registered (on the wrapper around "
+                    f"{type(wrapper.module).__name__}); register one hook, once, before training"
+                )
+        for wrapper in self.fsdp_modules(self):
+            unit = _state(wrapper).unit
+            # NO_SHARD, or any strategy on one rank (PyTorch then switches to NO_SHARD).
+            unit.comm_hook = _TorchCommHook(state, hook, unsharded=unit.shard_world == 1)
+
+    def check_is_root(self) -> bool:
+        """Whether this wrapper is the root: the outermost wrapper of its model.
+
+        Decided when the wrappers are built (an outer wrapper adopts the ones
+        inside it), so the answer is the same before and after the first
+        forward. PyTorch decides it lazily, so there, before the first forward,
+        asking an inner wrapper first makes that one a root.
+        """
+        return _state(self).parent is None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter in this tree to a global norm; return it."""
@@ -743,6 +820,49 @@ def _check_not_sharded(module: nn.Module) -> None:
         )
 
 
+def _is_torch_comm_hook(state: object, hook: object) -> bool:
+    """Whether ``register_comm_hook(state, hook)`` is PyTorch's form.
+
+    See [Note: two kinds of comm hook].
+    """
+    return (
+        hook is not None
+        and not isinstance(hook, str)
+        and state is not None
+        and not isinstance(state, DefaultGradReducer)
+    )
+
+
+class _TorchCommHook:
+    """PyTorch's ``hook(state, grad[, output])`` behind shard's ``CommHook`` protocol.
+
+    The hook does the whole reduction with its own state (its process group
+    and divide factors); shard's reducer is not used. For NO_SHARD units
+    PyTorch passes the gradient alone and the hook reduces it in place; the
+    result is then copied into ``output``, the tensor the engine accumulates.
+    """
+
+    __slots__ = ("hook", "state", "unsharded")
+
+    def __init__(self, state: object, hook: Callable[..., Any], *, unsharded: bool) -> None:
+        self.state = state
+        self.hook = hook
+        self.unsharded = unsharded
+
+    def __call__(self, reducer: object, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+        if self.unsharded or output is None:
+            self.hook(self.state, grad)
+            if output is not None:
+                output.copy_(grad)
+            return
+        # The hook may swap ``output.data`` (a low-precision hook compresses and
+        # decompresses it); the engine reads this same tensor object afterwards.
+        self.hook(self.state, grad, output)
+
+    def __repr__(self) -> str:
+        return f"TorchCommHook({getattr(self.hook, '__name__', self.hook)!r})"
+
+
 def _state(wrapper: FullyShardedDataParallel) -> ShardState:
     state = get_state(wrapper)
     assert state is not None
@@ -807,7 +927,7 @@ def _summon(
     with_grads: bool,
 ) -> Iterator[None]:
     if rank0_only and writeback:
-        raise ValueError(
+        raise NotImplementedError(
             "summon_full_params: rank0_only=True cannot write back (other ranks see no full "
             "parameters); pass writeback=False"
         )
@@ -823,7 +943,11 @@ def _summon(
             )
         group = s.unit.group
         if with_grads and not (isinstance(group, FlatParamGroup) and group.use_orig_params):
-            raise ValueError("summon_full_params: with_grads=True needs use_orig_params=True")
+            raise NotImplementedError(
+                f"summon_full_params: with_grads=True needs use_orig_params=True, but the unit "
+                f"{s.unit.label!r} was wrapped with use_orig_params=False; wrap with "
+                "use_orig_params=True to see full gradients"
+            )
     with contextlib.ExitStack() as stack:
         for s in states:
             stack.enter_context(_summon_unit(s, writeback, rank0_only, offload_to_cpu, with_grads))
@@ -833,6 +957,29 @@ def _summon(
 @contextlib.contextmanager
 def _summon_unit(
     state: ShardState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+) -> Iterator[None]:
+    wrapper = state.modules[0]
+    if not isinstance(wrapper, FullyShardedDataParallel):
+        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, None):
+            yield
+        return
+    was_in_summon = wrapper._in_summon
+    wrapper._in_summon = True
+    try:
+        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, wrapper):
+            yield
+    finally:
+        wrapper._in_summon = was_in_summon
+
+
+@contextlib.contextmanager
+def _summon_group(
+    state: ShardState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+    wrapper: FullyShardedDataParallel | None,
 ) -> Iterator[None]:
     unit = state.unit
     group = unit.group
@@ -867,7 +1014,12 @@ def _summon_unit(
         full_grad = full_grad.cpu() if full_grad is not None else None
     rank = unit.mesh.get_local_rank(unit.mesh.ndim - 1)
     n = shard.numel()
-    with group.full_precision_views(full):
+    # Inside, the originals stand in for the flat parameter (see [Note: parameter names]).
+    with contextlib.ExitStack() as restore:
+        flat = wrapper._parameters.pop(_FLAT_PARAM, None) if wrapper is not None else None
+        if wrapper is not None and flat is not None:
+            restore.callback(wrapper._parameters.__setitem__, _FLAT_PARAM, flat)
+        restore.enter_context(group.full_precision_views(full))
         if full_grad is not None:
             for spec, grad in zip(group.specs, group._views(full_grad), strict=True):
                 spec.param.grad = grad
