@@ -10,6 +10,7 @@ by the built-in class a PyTorch user catches: shard's ``StateDictError`` is a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable
@@ -383,3 +384,138 @@ def test_options_and_arguments_do_what_pytorch_does(
     # cpu_offload with full_state_dict: rank 0 alone keeps the values
     assert rank0["cpu_offload"] == rank0["full"]
     assert rank1["cpu_offload"] == [{}, {}]
+
+
+# ---------------------------------------------------------------------- renaming hooks
+
+
+class FusedLinear(nn.Module):
+    """A module whose state-dict hooks save its child's tensors under its own prefix.
+
+    ``embedding.weight`` is saved as ``weight`` (as PyTorch's test
+    ``FusionEmbeddingWithModifier`` does) and declared by ``_fqn_modifiers``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+        self._register_state_dict_hook(FusedLinear._save_hook)
+        self._register_load_state_dict_pre_hook(FusedLinear._load_hook, with_module=True)
+
+    @staticmethod
+    def _save_hook(module: nn.Module, destination: Any, prefix: str, metadata: Any) -> None:
+        for name in ("weight", "bias"):
+            destination[prefix + name] = destination.pop(f"{prefix}embedding.{name}")
+
+    def _load_hook(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name in ("weight", "bias"):
+            if prefix + name in state_dict:
+                state_dict[f"{prefix}embedding.{name}"] = state_dict.pop(prefix + name)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"weight": "embedding", "bias": "embedding"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.embedding(x) * self.scale
+        return out
+
+
+def _hooked_model(impl: str, seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from shard_runtime import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 4), FusedLinear(), nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    (torch_fully_shard if impl == "torch" else fully_shard)(model, mesh=mesh)
+    return model
+
+
+def _hooked(impl: str) -> dict[str, Any]:
+    api = _api(impl)
+    options = api.StateDictOptions
+    full = options(full_state_dict=True)
+    model, fresh = _hooked_model(impl, 0), _hooked_model(impl, 1)
+    out: dict[str, Any] = {"keys": list(api.get_model_state_dict(model))}
+    state = api.get_model_state_dict(model, options=full)
+    out["full"] = _plain(state)
+    out["set_full"] = _outcome(lambda: _keys(api.set_model_state_dict(fresh, state, options=full)))
+    out["after_set_full"] = _plain(api.get_model_state_dict(fresh, options=full))
+    # PyTorch reports no missing key when loading full values (it fills them from the
+    # model), so the partial load goes through sharded values.
+    sharded = api.get_model_state_dict(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["set_submodule_keyed"] = _outcome(
+            lambda: _keys(
+                api.set_model_state_dict(
+                    fresh,
+                    {fresh[1]: {"weight": sharded["1.weight"], "bias": sharded["1.bias"]}},
+                    options=options(strict=False),
+                )
+            )
+        )
+    out["submodule_keyed_warnings"] = [w.category.__name__ for w in caught]
+    model[1].embedding.weight.requires_grad_(False)
+    out["frozen"] = _outcome(
+        lambda: list(api.get_model_state_dict(model, options=options(ignore_frozen_params=True)))
+    )
+    out["frozen_other_modifiers"] = _outcome(
+        lambda: list(
+            api.get_model_state_dict(
+                model, options=options(ignore_frozen_params=True, dsd_fqn_modifiers="_none")
+            )
+        )
+    )
+    return out
+
+
+def test_keys_renamed_by_state_dict_hooks(rank_pool: RankPool) -> None:
+    """Hook-renamed keys, their order and round trips match; frozen ones map through modifiers."""
+    theirs = rank_pool.run(_hooked, 2, "torch")
+    ours = rank_pool.run(_hooked, 2, "shard")
+    keys = ["0.weight", "0.bias", "1.scale", "1.weight", "1.bias", "2.weight", "2.bias"]
+    for their, our in zip(theirs, ours, strict=True):
+        names = ["keys", "full", "set_full", "after_set_full", "set_submodule_keyed"]
+        for name in [*names, "submodule_keyed_warnings"]:
+            assert our[name] == their[name], name
+        assert our["submodule_keyed_warnings"] == ["FutureWarning"]
+        assert our["keys"] == keys
+        assert our["after_set_full"] == our["full"]
+        missing = [k for k in keys if k not in ("1.weight", "1.bias")]
+        assert our["set_submodule_keyed"] == ("returns", (missing, []))
+        # PyTorch pops the parameter's own name, which the state dict does not have.
+        assert their["frozen"] == ("raises", "KeyError")
+        assert our["frozen"] == ("returns", [k for k in keys if k != "1.weight"])
+        assert our["frozen_other_modifiers"] == ("returns", keys)
+
+
+# ---------------------------------------------------------------------- wrapper flat units
+
+
+def _frozen_flat_unit() -> dict[str, Any]:
+    from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy
+
+    model = ToyNet(blocks=2)
+    model.blocks[0].requires_grad_(False)
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}), use_orig_params=False
+    )
+    options = shard_checkpoint.StateDictOptions(ignore_frozen_params=True)
+    return {
+        "sharded": list(shard_checkpoint.get_model_state_dict(wrapped, options=options)),
+        "full": list(
+            shard_checkpoint.get_model_state_dict(
+                wrapped, options=dataclasses.replace(options, full_state_dict=True)
+            )
+        ),
+    }
+
+
+def test_ignore_frozen_params_drops_a_frozen_flat_unit(rank_pool: RankPool) -> None:
+    """A wrapper unit frozen whole (use_orig_params=False: one flat parameter) loses its keys."""
+    expected = [key for key in KEYS if not key.startswith("blocks.0.")]
+    for result in rank_pool.run(_frozen_flat_unit, 2):
+        assert result == {"sharded": expected, "full": expected}

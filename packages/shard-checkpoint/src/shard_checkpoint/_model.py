@@ -215,7 +215,6 @@ def functional_model_state_dict(
         Kind.FULL if options.full_state_dict else Kind.SHARDED,
         offload_to_cpu=options.cpu_offload,
         rank0_only=options.cpu_offload,
-        fqn_modifiers=options.dsd_fqn_modifiers,
     )
     if options.ignore_frozen_params:
         for key in frozen_keys(model, options.dsd_fqn_modifiers):
@@ -380,13 +379,10 @@ def model_state_dict(
     *,
     offload_to_cpu: bool,
     rank0_only: bool,
-    fqn_modifiers: str = "_fqn_modifiers",
 ) -> dict[str, Any]:
     """``model``'s state dict of ``kind`` (a collective for FULL and SHARDED wrapper units).
 
     ``rank0_only`` (FULL only) leaves every rank but 0 with ``{}``.
-    ``fqn_modifiers`` names parameters as state-dict hooks do, for the order
-    (see :func:`state_dict_name`).
     """
     reshard_model(model)
     units = flat_units(model)
@@ -423,10 +419,7 @@ def model_state_dict(
             if offload_to_cpu:
                 value = to_cpu(value)
         out[key] = value
-    params.update(
-        state_dict_name(model, n, fqn_modifiers)
-        for n, _ in model.named_parameters(remove_duplicate=False)
-    )
+    params.update(clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False))
     return in_module_order(model, out, params)
 
 

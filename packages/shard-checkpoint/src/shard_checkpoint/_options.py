@@ -56,9 +56,9 @@ class StateDictOptions:
             the key ``<module>.<key name>`` is the tensor of child
             ``<child name>`` (a fused embedding that saves
             ``embedding.weight`` as ``weight`` returns ``{"weight":
-            "embedding"}``). Used to name parameters the way the hooks do
-            (``ignore_frozen_params``, key order). Modules without the method
-            keep their names.
+            "embedding"}``). ``ignore_frozen_params`` uses it to find a frozen
+            parameter's key. (Loading needs no help: the module's own hooks
+            map the keys back.) Modules without the method keep their names.
     """
 
     full_state_dict: bool = False
