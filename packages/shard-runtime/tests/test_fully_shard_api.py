@@ -67,7 +67,7 @@ def test_class_swap_state_dict_and_deepcopy(rank_pool: RankPool) -> None:
     assert rank0["local_shapes"] == [(3, 4), (3,), (2, 5), (2,)]
     assert rank1["local_shapes"] == [(2, 4), (2,), (1, 5), (1,)]
     assert rank0["deepcopy"].startswith(
-        "TypeError: FSDPSequential is sharded by fully_shard and cannot be deep-copied"
+        "AssertionError: FSDPSequential is sharded by fully_shard and cannot be deep-copied"
     )
 
 
@@ -115,6 +115,7 @@ def _errors() -> dict[str, str]:
     child_first = nn.Sequential(nn.Linear(2, 2))
     fully_shard(child_first[0], mesh=mesh)
     fully_shard(child_first, mesh=mesh)
+    child_first[0](torch.ones(1, 2))  # allowed: it becomes the root of its own subtree
     return {
         "modulelist": _error(lambda: fully_shard(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)),
         "moduledict": _error(lambda: fully_shard(nn.ModuleDict({"a": nn.Linear(2, 2)}), mesh=mesh)),
@@ -128,7 +129,7 @@ def _errors() -> dict[str, str]:
         "mesh2d_unnamed": _error(
             lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1)))
         ),
-        "child_first": _error(lambda: child_first[0](torch.ones(1, 2))),
+        "child_first": _error(lambda: child_first(torch.ones(1, 2))),
         "int_reshard": _error(
             lambda: fully_shard(nn.Linear(2, 2), mesh=mesh, reshard_after_forward=3)
         ),
@@ -138,17 +139,23 @@ def _errors() -> dict[str, str]:
 def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
     """Each bad input raises an exception naming the module or parameter and the fix."""
     (errors,) = rank_pool.run(_errors, 1)
-    assert errors["modulelist"].startswith("ValueError: fully_shard: ModuleList has no forward")
-    assert errors["moduledict"].startswith("ValueError: fully_shard: ModuleDict has no forward")
+    assert errors["modulelist"].startswith(
+        "ValueError: fully_shard: ModuleList is a container without a forward, so nothing would "
+        "gather its parameters; shard its children instead"
+    )
+    assert errors["moduledict"].startswith(
+        "ValueError: fully_shard: ModuleDict is a container without a forward"
+    )
     assert errors["scalar"] == (
         "LayoutError: fully_shard(_Scalar): parameter 'scale' is a scalar (0-d); sharding splits "
         "dim 0, so make it 1-D, e.g. nn.Parameter(value.reshape(1))"
     )
     assert errors["strided"].startswith(
-        "LayoutError: fully_shard(_Strided): parameter 'weight' is not contiguous (stride (1, 3))"
+        "NotImplementedError: fully_shard(_Strided): parameter 'weight' is not contiguous "
+        "(stride (1, 3))"
     )
     assert errors["shared"].startswith(
-        "ValueError: fully_shard(Sequential): parameter '0.weight' is already sharded by the unit "
+        "TypeError: fully_shard(Sequential): parameter '0.weight' is already sharded by the unit "
         "of Sequential; a parameter shared by two units must be in one unit"
     )
     assert errors["tied"].startswith(
@@ -160,9 +167,10 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
     assert errors["mesh2d_unnamed"].startswith(
         "AssertionError: fully_shard: a 2-D mesh needs axis names"
     )
-    assert errors["child_first"].startswith(
-        "RuntimeError: fully_shard: the forward of Linear ('0') ran before the first forward "
-        "of the root sharded module Sequential; run the root module's forward first"
+    assert errors["child_first"] == (
+        "RuntimeError: fully_shard: Linear ('0') already ran forward as a root before the first "
+        "forward of Sequential, the sharded module that contains it; run the outermost sharded "
+        "module's forward first (it sets up the whole tree), then submodules may run on their own"
     )
     assert errors["int_reshard"] == (
         "ValueError: fully_shard: reshard_after_forward must be True, False or an int that "

@@ -37,7 +37,8 @@ def _count(reshard: bool, hsdp: bool) -> dict[str, Any]:
     model = _model()
     for block in list(model)[1:4]:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    # The root keeps its parameters for backward (None); True would reshard it too.
+    fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False)
     x = torch.randn(3, 4)
     with count_collectives() as forward:
         loss = model(x).sum()
@@ -75,7 +76,7 @@ def _post_forward_group(size: int) -> dict[str, Any]:
     blocks = list(model)[1:4]
     for block in blocks:
         fully_shard(block, reshard_after_forward=size)
-    fully_shard(model, reshard_after_forward=size)
+    fully_shard(model)  # the root keeps its parameters for backward
     loss = model(torch.randn(3, 4)).sum()
     states = [get_state(block) for block in blocks]
     kept = [s.unit._post_forward_shard.numel() for s in states if s is not None]

@@ -6,7 +6,7 @@ can put them side by side:
 =========== =============================================== ==========================
 strategy    ``fully_shard``                                 wrapper
 =========== =============================================== ==========================
-full        1-D mesh, ``reshard_after_forward=True``        ``FULL_SHARD``
+full        1-D mesh, ``reshard_after_forward=None``        ``FULL_SHARD``
 grad-op     1-D mesh, ``reshard_after_forward=False``       ``SHARD_GRAD_OP``
 no-shard    ``(world, 1)`` mesh (replicas of one shard)     ``NO_SHARD``
 hybrid      ``(world / s, s)`` mesh, reshard after forward  ``HYBRID_SHARD``, same mesh
@@ -143,7 +143,9 @@ def shard_model(
             model,
             policy,
             mesh=mesh,
-            reshard_after_forward=strategy in ("full", "hybrid"),
+            # None: blocks reshard after forward, the root keeps its parameters for
+            # backward (PyTorch's default); True would reshard the root too.
+            reshard_after_forward=None if strategy in ("full", "hybrid") else False,
             mp_policy=MixedPrecisionPolicy(
                 param_dtype=dtype if low else None,
                 reduce_dtype=torch.float32 if low else None,

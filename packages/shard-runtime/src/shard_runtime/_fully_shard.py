@@ -70,7 +70,7 @@ class FSDPModule:
         # A new instance of a sharded module's class (``model[1:]`` on a sharded
         # nn.Sequential calls ``type(model)(...)``) has no unit, so it is built as
         # the original class: a plain module holding the (sharded) children.
-        orig = _original_class(cls)
+        orig: Any = _original_class(cls)
         if orig.__new__ is object.__new__:
             self = object.__new__(orig)
         else:

@@ -142,6 +142,16 @@ class ForwardOrderChecker:
         elif not self._warned and position < len(self._first):
             self._warn(position, None, self._first[position])
 
+    def abandon_iteration(self) -> None:
+        """Forget an iteration that raised half-way (``reset_iter_state``), without collectives.
+
+        Every rank abandons the same iteration, so positions stay aligned; a
+        first iteration that did not finish is checked again in the next one.
+        """
+        self._active, self._position = None, 0
+        if not self._reference_done:
+            self._first.clear()
+
     def _iteration_active(self) -> bool:
         if self._active is None:
             self._active = order_check_enabled()

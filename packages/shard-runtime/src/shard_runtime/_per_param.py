@@ -35,6 +35,7 @@ class PerParamGroup:
         self._gather_dtype: torch.dtype | None = None
         # - per reduction issued and not yet accumulated: which trainable params had a grad
         self._with_grad: deque[list[bool]] = deque()
+        self.zero_unused_grads = False  # reduce_scatter_unused_params: they get zeros
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
 
     # ------------------------------------------------------------------ facts
@@ -177,7 +178,7 @@ class PerParamGroup:
         # PyTorch, so the optimizer leaves it alone (its zeros only keep the layout).
         with_grad = self._with_grad.popleft() if self._with_grad else [True] * len(self.trainable)
         for p, has_grad in zip(self.trainable, with_grad, strict=True):
-            if not has_grad:
+            if not has_grad and not self.zero_unused_grads:
                 offset += p.padded_numel
                 continue
             # The real rows lead the padded block (padding exists only on dim 0).

@@ -35,10 +35,11 @@ An exception in the middle of forward or backward leaves units gathered, a
 reduction in flight, training states half-way and the end-of-backward callback
 marked as queued (autograd drops it with the failed graph). ``reset_iter_state``
 on the root waits for what is in flight (a collective cannot be abandoned on
-one rank), discards the step's unreduced and in-flight gradients, reshards
-every unit and clears the per-step bookkeeping, so the next step starts clean.
-Gradients already reduced into the sharded parameters before the failure stay;
-``optimizer.zero_grad()`` clears them as usual.
+one rank), discards the step's unreduced gradients (full gradients not yet
+reduced, a deferred replica all-reduce), reshards every unit and clears the
+per-step bookkeeping, so the next step starts clean. Reductions already issued
+land in the sharded gradients, as in PyTorch (whose gradients are assigned when
+the reduction is issued); ``optimizer.zero_grad()`` clears them as usual.
 
 [Note: parameters replaced before the first forward]
 ``fully_shard`` registers each parameter's sharded DTensor on its module; a
@@ -388,15 +389,7 @@ class ShardState:
                 f"{self.class_name} ({self.label!r}); call it on the module whose forward "
                 f"runs first, {self.root.class_name}"
             )
-        ctx = self.unit.comm_ctx
-        for pending in ctx.in_flight:
-            if isinstance(pending, PendingReduce):
-                if not pending.done:
-                    pending.work.wait()  # the peers take part in it; its result is dropped
-                    pending.done = True
-            else:
-                pending.finish()
-        ctx.in_flight.clear()
+        self.unit.comm_ctx.queue(None, 0)  # reductions issued land, as in PyTorch
         for state in self.all_states or states_in(self.modules):
             unit = state.unit
             unit.reshard()  # waits for a gather in flight
