@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -493,7 +493,7 @@ def _spmd_layout(
         )
     names = spmd_mesh.mesh_dim_names or ()
     for axis in (*dp_axes.shard, *dp_axes.replicate):
-        if not isinstance(spec.placements[axis], Replicate | Partial):
+        if not isinstance(spec.placements[axis], Replicate):
             raise ValueError(
                 f"fully_shard: parameter {fqn!r} is placed {spec.placements}; with dp_mesh_dims "
                 f"it must be Replicate() on the data-parallel axis {names[axis]!r}"
