@@ -71,3 +71,13 @@ def test_broadcast_from_rank0_without_full_state_dict_is_refused_when_used() -> 
             r"well$",
         ):
             call()
+
+
+def test_deprecated_submodules_warn_at_the_callers_line() -> None:
+    """submodules warns FutureWarning (as PyTorch does) attributed to the caller's file."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    deprecated = r"^get_model_state_dict: the submodules argument is deprecated"
+    with pytest.warns(FutureWarning, match=deprecated) as rec:
+        state = get_model_state_dict(model, submodules={model[1]})
+    assert list(state) == ["1.weight", "1.bias"]
+    assert [w.filename for w in rec] == [__file__]

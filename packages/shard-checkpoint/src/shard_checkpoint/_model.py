@@ -192,7 +192,7 @@ def set_model_state_dict(
             from the model's. A ``RuntimeError``, as PyTorch raises.
         ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    model_state_dict = keyed_by_name(model, model_state_dict, stacklevel=2)
+    model_state_dict = keyed_by_name(model, model_state_dict, "set_model_state_dict", stacklevel=2)
     options = checked_options(options, "set_model_state_dict")
     return load_functional_model_state_dict(
         model, model_state_dict, options, "set_model_state_dict"
@@ -303,7 +303,7 @@ def submodule_prefixes(model: nn.Module, submodules: Collection[nn.Module] | Non
 
 
 def keyed_by_name(
-    model: nn.Module, model_state_dict: Mapping[Any, Any], *, stacklevel: int
+    model: nn.Module, model_state_dict: Mapping[Any, Any], caller: str, *, stacklevel: int
 ) -> Mapping[str, Any]:
     """``model_state_dict`` with submodule keys (``{submodule: its state dict}``) spelled out.
 
@@ -314,8 +314,8 @@ def keyed_by_name(
     if not model_state_dict or not isinstance(next(iter(model_state_dict)), nn.Module):
         return model_state_dict
     warnings.warn(
-        "a model state dict keyed by submodules ({submodule: its state dict}) is deprecated "
-        "(as in PyTorch, which plans to remove it); key it by qualified name "
+        f"{caller}: a model state dict keyed by submodules ({{submodule: its state dict}}) is "
+        "deprecated (as in PyTorch, which plans to remove it); key it by qualified name "
         "('<submodule>.<key>') instead",
         FutureWarning,
         stacklevel=stacklevel + 1,
@@ -326,9 +326,9 @@ def keyed_by_name(
         name = names.get(id(submodule))
         if name is None:
             raise StateDictError(
-                f"model state dict: the key {type(submodule).__name__} is not a submodule of "
-                "the model; key the state dict by qualified names, or by the model's own "
-                "submodules"
+                f"{caller}: the model state dict is keyed by a {type(submodule).__name__} that "
+                "is not a submodule of the model; key it by qualified names, or by the "
+                "model's own submodules"
             )
         spelled.update({f"{name}.{key}" if name else key: v for key, v in sub_state.items()})
     return spelled
@@ -338,15 +338,15 @@ def frozen_keys(model: nn.Module, fqn_modifiers: str) -> set[str]:
     """The keys of parameters with ``requires_grad=False`` (``ignore_frozen_params``).
 
     A wrapper unit with ``use_orig_params=False`` has one flat parameter: its
-    parameters are frozen together or not at all.
+    parameters are frozen together or not at all. With ``use_orig_params=True``
+    each original parameter says for itself.
     """
-    frozen = {
-        key
-        for unit in flat_units(model)
-        if unit.flat_param is not None and not unit.flat_param.requires_grad
-        for param in unit.params
-        for key in param.keys
-    }
+    frozen: set[str] = set()
+    for unit in flat_units(model):
+        for info in unit.params:
+            holder = unit.flat_param if unit.flat_param is not None else info.param
+            if holder is not None and not holder.requires_grad:
+                frozen.update(info.keys)
     for name, param in model.named_parameters(remove_duplicate=False):
         if not param.requires_grad:
             frozen.add(state_dict_name(model, name, fqn_modifiers))

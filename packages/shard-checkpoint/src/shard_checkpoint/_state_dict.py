@@ -104,7 +104,7 @@ def set_state_dict(
             functions above raise.
         ValueError: ``broadcast_from_rank0`` without ``full_state_dict``.
     """
-    model_state_dict = keyed_by_name(model, model_state_dict, stacklevel=2)
+    model_state_dict = keyed_by_name(model, model_state_dict, "set_state_dict", stacklevel=2)
     options = checked_options(options, "set_state_dict")
     optims = as_optimizer_list(optimizers)
     if not model_state_dict and not optims:
