@@ -201,3 +201,17 @@ def test_set_optimizer_state_dict_strict_names_unknown_parameters() -> None:
         StateDictError, match=r"^optimizer state dict key 'bogus' is neither nested"
     ):
         set_optimizer_state_dict(model, optim, {"bogus": 1})
+
+
+def test_ignore_frozen_params_composes_with_submodules() -> None:
+    """Frozen keys go first, then the submodule filter (PyTorch raises KeyError for these)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)
+    frozen = StateDictOptions(ignore_frozen_params=True)
+    stripped = StateDictOptions(ignore_frozen_params=True, keep_submodule_prefixes=False)
+    with pytest.warns(FutureWarning, match=r"the submodules argument is deprecated"):
+        outside = get_model_state_dict(model, submodules={model[1]}, options=frozen)
+    with pytest.warns(FutureWarning, match=r"the submodules argument is deprecated"):
+        inside = get_model_state_dict(model, submodules={model[0]}, options=stripped)
+    assert list(outside) == ["1.weight", "1.bias"]
+    assert list(inside) == ["bias"]
