@@ -111,7 +111,8 @@ class CommContext:
             self.in_flight.append(pending)
 
 
-_SEPARATE_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# Keyed by the ranks and the default group, so a re-initialised process group starts afresh.
+_SEPARATE_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
 
 
 def separate_reduce_scatter_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -122,13 +123,14 @@ def separate_reduce_scatter_group(shard_group: dist.ProcessGroup) -> dist.Proces
     on a 2-D mesh each replica's shard ranks create their own.
     """
     ranks = tuple(dist.get_process_group_ranks(shard_group))
-    group = _SEPARATE_GROUPS.get(ranks)
+    key = (ranks, id(dist.group.WORLD))
+    group = _SEPARATE_GROUPS.get(key)
     if group is None:
         group = dist.new_group(
             list(ranks), use_local_synchronization=True, group_desc="shard_reduce_scatter"
         )
         assert group is not None  # every caller is a member
-        _SEPARATE_GROUPS[ranks] = group
+        _SEPARATE_GROUPS[key] = group
     return group
 
 
@@ -158,7 +160,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     if not states:
         return
     shared = states[0].unit.comm_ctx
-    for state in states_in([state.modules[0] for state in states]):
+    for state in states_in([module for root in states for module in root.modules]):
         pending = state.unit.comm_ctx
         if pending is not shared:
             for reduction in pending.in_flight:
