@@ -120,13 +120,20 @@ def _summon(impl: str, use_orig_params: bool) -> dict[str, Any]:
     with wrapper.summon_full_params(model.blocks[0], writeback=False):
         out["inner_summoned_root"] = _params(model, values=False)
         out["inner_summoned_inner"] = _params(model.blocks[0])
+    with wrapper.summon_full_params(model, writeback=False):
+        out["nested"] = [
+            _error(lambda: wrapper.summon_full_params(model).__enter__()),
+            _error(lambda: wrapper.summon_full_params(model.blocks[1]).__enter__()),
+        ]
     with wrapper.summon_full_params(model, rank0_only=True, writeback=False):
         out["rank0_only"] = _params(model)
     # PyTorch's offload_to_cpu fails on a CPU-only machine (the handle frees the CPU
     # storage it gathered into), so shard's offloaded view is compared with PyTorch's plain one.
     offload = impl == "shard"
-    with wrapper.summon_full_params(model, offload_to_cpu=offload, writeback=False):
-        out["offload_to_cpu"] = _params(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "summon_full_params: offload_to_cpu=True without")
+        with wrapper.summon_full_params(model, offload_to_cpu=offload, writeback=False):
+            out["offload_to_cpu"] = _params(model)
     out["root_after_forward"] = model.check_is_root()
     out["inner_after_forward"] = model.blocks[0].check_is_root()
     out["rank0_only_writeback"] = _error(
@@ -143,6 +150,18 @@ def _summon(impl: str, use_orig_params: bool) -> dict[str, Any]:
             lambda: wrapper.summon_full_params(model, with_grads=True).__enter__()
         )
     out["outside_after"] = [n for n, _ in model.named_parameters()]
+    # Last: PyTorch's offload_to_cpu fails on CPU after warning (see above).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with wrapper.summon_full_params(model, offload_to_cpu=True, writeback=False):
+                pass
+        except RuntimeError:
+            assert impl == "torch"
+    # PyTorch warns once or twice per unit; the kind is what users filter on.
+    out["offload_warning"] = sorted(
+        {w.category.__name__ for w in caught if "offload" in str(w.message)}
+    )
     return out
 
 
@@ -179,6 +198,8 @@ SUMMON_KEYS = [
     "rank0_only_writeback",
     "with_grads",
     "outside_after",
+    "nested",
+    "offload_warning",
 ]
 
 
@@ -206,6 +227,8 @@ def test_pytorch_answers_are_the_documented_ones(summoned: dict[str, Any]) -> No
     assert rank0["root_after_forward"] is True
     assert rank0["inner_after_forward"] is False
     assert rank0["rank0_only_writeback"] == "NotImplementedError"
+    assert rank0["nested"] == ["AssertionError", "AssertionError"]
+    assert rank0["offload_warning"] == ["UserWarning"]
     if summoned["orig"]:
         assert rank0["outside"][0][0] == "_fsdp_wrapped_module.inp.weight"
     else:

@@ -467,8 +467,10 @@ def _summon(use_orig_params: bool) -> dict[str, Any]:
     discarded = _edit_and_forward(model, False, x)
     with FSDP.summon_full_params(model, rank0_only=True, writeback=False):
         rank0_only = _seen(model.blocks[0].inner.weight)
-    with FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False):
-        offloaded = _visible(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with FSDP.summon_full_params(model, offload_to_cpu=True, writeback=False):
+            offloaded = _visible(model)
     with FSDP.summon_full_params(model, recurse=False, writeback=False):
         outer_only = (_seen(model.embed.weight), _seen(model.blocks[0].inner.weight))
     return {
@@ -477,6 +479,7 @@ def _summon(use_orig_params: bool) -> dict[str, Any]:
         "discarded": discarded,
         "rank0_only": rank0_only,
         "offloaded": offloaded,
+        "offload_warning": [(w.category.__name__, w.filename) for w in caught],
         "outer_only": outer_only,
         "rank0_writeback": _error(
             lambda: FSDP.summon_full_params(model, rank0_only=True).__enter__()
@@ -499,6 +502,8 @@ def test_summon_shows_single_process_parameters(summoned: tuple[bool, list[Any]]
         assert list(result["full"]) == PARAM_NAMES
         for name, value in result["full"].items():
             torch.testing.assert_close(value, ref[name].detach(), rtol=0, atol=0)
+        # As PyTorch: a full CPU copy on every rank is worth a warning, blamed on the caller.
+        assert result["offload_warning"] == [("UserWarning", __file__)]
         for name, value in result["offloaded"].items():
             assert value.device.type == "cpu"
             factor = 0.5 if name == "blocks.0.inner.weight" else 1.0

@@ -936,10 +936,25 @@ def _summon(
     else:
         own = get_state(module)
         states = [own] if own is not None else []
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(
+            "summon_full_params: offload_to_cpu=True without rank0_only=True puts a full copy "
+            "of the parameters in CPU memory on every rank (several per host); pass "
+            "rank0_only=True unless every rank needs them",
+            UserWarning,
+            stacklevel=5,  # the user's ``with``: past two context-manager frames
+        )
     for s in states:
         if s.unit.training_state is not TrainingState.IDLE:
             raise RuntimeError(
                 "summon_full_params: cannot run during forward or backward; call it between steps"
+            )
+        owner = s.modules[0]
+        if isinstance(owner, FullyShardedDataParallel) and owner._in_summon:
+            raise AssertionError(
+                f"summon_full_params: the wrapper around {type(owner.module).__name__} is "
+                "already inside summon_full_params; its parameters are full there already: "
+                "use them without entering the context again"
             )
         group = s.unit.group
         if with_grads and not (isinstance(group, FlatParamGroup) and group.use_orig_params):
