@@ -181,7 +181,7 @@ def _spmd(
 
 
 def test_dp_mesh_dims_trains_like_torch(rank_pool: RankPool) -> None:
-    """FSDP, HSDP and a flattened shard axis over a tp-split whole mesh: all equal torch's."""
+    """FSDP, HSDP and a flattened shard axis over a tp-split whole mesh equal torch's; DDP too."""
     cases: list[tuple[tuple[int, ...], tuple[str, ...], Any, Any]] = [
         ((2, 2), ("dp", "tp"), "dp", None),
         ((2, 1, 2), ("rep", "dp", "tp"), "dp", "rep"),
@@ -197,3 +197,12 @@ def test_dp_mesh_dims_trains_like_torch(rank_pool: RankPool) -> None:
     assert fsdp == (["_S(0, 2)", "S(0)"], ("dp", "tp"), (3, 8))
     assert hsdp == (["R", "_S(0, 2)", "S(0)"], ("rep", "dp", "tp"), (6, 8))
     assert flat == (["_S(0, 2)", "S(0)"], ("a_b", "tp"), (3, 8))
+
+    # Replicate only (DDP): PyTorch 2.13 refuses it here ("Expected param's DTensor mesh to be
+    # the same mesh passed to fully_shard"); ours keeps whole tp shards and averages over dp,
+    # which trains exactly like sharding over dp.
+    ddp = rank_pool.run(_spmd, 4, "shard", (2, 2), ("dp", "tp"), None, "dp")
+    assert ddp[0]["params"]["0.weight"][:3] == (["R", "S(0)"], ("dp", "tp"), (6, 8))
+    for mine, sharded in zip(ddp, results[0], strict=True):
+        assert mine["losses"] == sharded["losses"]
+        assert [v[3] for v in mine["params"].values()] == [v[3] for v in sharded["params"].values()]

@@ -104,14 +104,6 @@ def _bad_inputs() -> dict[str, str]:
                 dp_mesh_dims=DataParallelMeshDims(shard="dp"),
             )
         ),
-        "dims_replicate_only": _error(
-            dtensor_params(
-                [Replicate(), Replicate()],
-                mesh2,
-                mesh=mesh2,
-                dp_mesh_dims=DataParallelMeshDims(replicate="dp"),
-            )
-        ),
     }
 
 
@@ -137,8 +129,4 @@ def test_bad_placements_and_meshes_name_the_parameter(rank_pool: RankPool) -> No
     assert errors["dims_sharded_dp"].startswith(
         "ValueError: fully_shard: parameter '0.weight' is placed (Shard(dim=0), Replicate()); "
         "with dp_mesh_dims it must be Replicate() on the data-parallel axis 'dp'"
-    )
-    assert errors["dims_replicate_only"].startswith(
-        "NotImplementedError: fully_shard: dp_mesh_dims=DataParallelMeshDims(shard=None, "
-        "replicate='dp') only replicates (DDP)"
     )

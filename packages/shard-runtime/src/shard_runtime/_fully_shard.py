@@ -708,21 +708,22 @@ def _data_parallel_mesh(
             f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) does not "
             "combine with dp_mesh_dims; pass True or False"
         )
-    if not dims.shard_names:
-        raise NotImplementedError(
-            f"fully_shard: dp_mesh_dims={dims} only replicates (DDP); name a shard axis too "
-            "(DataParallelMeshDims(shard=...))"
-        )
     names = mesh.mesh_dim_names
     assert names is not None  # _check_mesh
 
     def axis(group: tuple[str, ...]) -> DeviceMesh:
         return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
 
-    shard = axis(dims.shard_names)
-    dp_mesh = shard
-    if dims.replicate_names:
-        dp_mesh = DeviceMesh._concatenate([axis(dims.replicate_names), shard])
+    if not dims.shard_names:
+        # Replicate only (DDP): a shard axis of one rank, so each rank keeps whole tensors.
+        replicate = axis(dims.replicate_names)
+        dp_mesh = replicate._unflatten(
+            0, (replicate.size(), 1), ("shard_ddp_replicate", "shard_ddp_shard")
+        )
+    else:
+        dp_mesh = axis(dims.shard_names)
+        if dims.replicate_names:
+            dp_mesh = DeviceMesh._concatenate([axis(dims.replicate_names), dp_mesh])
     axes = DataParallelAxes(
         spmd_mesh=mesh,
         shard=tuple(names.index(n) for n in dims.shard_names),
