@@ -217,3 +217,47 @@ def test_fsdp_over_tp_mixed_precision_and_reload_match_torch(rank_pool: RankPool
     assert ours[0]["compute"] == ("torch.bfloat16", "DTensor")
     assert ours[0]["grad"][0] == "torch.float32"
     assert all(all(r["reloaded"]) for r in ours)
+
+
+def _tp_meta_init(impl: str) -> dict[str, Any]:
+    """Build on meta, parallelize, shard, to_empty, fill, cast to float64, train two steps."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from shard_runtime import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = Model()
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for index, param in enumerate(model.parameters()):
+            param.fill_(0.01 * (index + 1))
+    model = model.double()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + dist.get_rank() // 2)
+        loss = model(torch.randn(4, 8, generator=g, dtype=torch.float64)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "params": {
+            n: (str(p.dtype), p.full_tensor().tolist())  # type: ignore[attr-defined]
+            for n, p in model.named_parameters()
+        },
+    }
+
+
+def test_fsdp_over_tp_meta_init_and_cast_match_torch(rank_pool: RankPool) -> None:
+    """Meta-device init, to_empty and .double() over dp x tp train exactly as torch."""
+    ref = rank_pool.run(_tp_meta_init, 4, "torch")
+    ours = rank_pool.run(_tp_meta_init, 4, "shard")
+    assert ours == ref
+    assert ours[0]["params"]["blocks.0.up.weight"][0] == "torch.float64"
