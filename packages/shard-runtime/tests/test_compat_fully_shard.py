@@ -141,6 +141,34 @@ def test_reshard_after_forward_none_default_and_explicit_root(rank_pool: RankPoo
         assert shard["set_int"] == "ValueError"
 
 
+def _script_int_reshard_on_root(impl: str) -> dict[str, Any]:
+    m = _api(impl)
+    out: dict[str, Any] = {}
+    x = torch.ones(2, 4)
+    for value in (2, None):
+        model = _two_units(m, reshard_after_forward=value)
+        loss = model(x).sum()
+        out[f"{value}_after_forward"] = _is_sharded(model)
+        loss.backward()
+        out[f"{value}_grads"] = [_full(p.grad) for p in model.parameters() if p.grad is not None]
+        model.set_reshard_after_forward(True)  # replaces the int
+        model(x).sum().backward()
+        model(x)
+        out[f"{value}_after_set_true"] = _is_sharded(model)
+    return out
+
+
+def test_int_reshard_after_forward_on_root(rank_pool: RankPool) -> None:
+    """An int given explicitly to the root reshards it to that group size, as in torch."""
+    for result in _run(rank_pool, "_script_int_reshard_on_root", 4):
+        assert result["shard"] == result["torch"]
+        shard = result["shard"]
+        assert shard["2_after_forward"] == [True] * 4
+        assert shard["None_after_forward"] == [True, True, False, False]
+        assert shard["2_grads"] == shard["None_grads"]
+        assert shard["2_after_set_true"] == shard["None_after_set_true"] == [True] * 4
+
+
 # ---------------------------------------------------------------------- 2: signatures
 
 
@@ -309,6 +337,9 @@ def _script_non_root_before_root(impl: str) -> dict[str, Any]:
     model[0].unshard()
     out["after_sync_unshard"] = _is_sharded(model)
     out["forward_after_unshard"] = _full(model(x))
+    model = _generator_model(m)
+    model[0].unshard(async_op=True)  # no wait: the pre-forward waits
+    out["forward_after_async_unshard"] = _full(model(x))
     # A registered method run before the root's first forward makes the
     # submodule a root of its own; the real root's first forward then fails.
     model = _generator_model(m)
