@@ -520,9 +520,17 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
     ) -> Iterator[None]:
         """Expose full, full-precision parameters inside the block; write changes back.
 
-        ``rank0_only`` gathers everywhere but only rank 0 sees full parameters
-        (no ``writeback``); ``offload_to_cpu`` keeps the full copies on the CPU;
-        ``with_grads`` (``use_orig_params=True`` only) also shows full gradients.
+        Inside, the summoned wrappers' ``named_parameters()`` list the original
+        parameters under their unwrapped names (``blocks.0.up.weight``), as
+        ``nn.Parameter`` s of full shape that in-place edits change; with
+        ``writeback`` each rank copies its slice back into its shard on exit
+        (see [Note: parameter names]). ``recurse=False`` summons this wrapper's
+        unit only. ``rank0_only`` gathers everywhere but only rank 0 sees full
+        parameters (no ``writeback``: ``NotImplementedError``);
+        ``offload_to_cpu`` keeps the full copies on the CPU (warned about
+        without ``rank0_only``); ``with_grads`` (``use_orig_params=True`` only,
+        else ``NotImplementedError``) also shows full gradients. Entering it
+        again for a wrapper already inside is an ``AssertionError``, as in PyTorch.
         """
         with _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
