@@ -29,10 +29,10 @@ from shard_checkpoint._types import (
 from shard_checkpoint._version import __version__
 
 __all__ = [
-    "FQNS_T",
     "CheckpointError",
     "DictValueType",
     "ExportReport",
+    "FQNS_T",
     "IncompatibleKeys",
     "ListDictValueType",
     "OptimizerStateType",
