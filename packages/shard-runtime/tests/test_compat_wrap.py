@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import pytest
@@ -149,6 +150,43 @@ def test_policies_apply_through_fully_shard_as_units(
 ) -> None:
     """apply_wrap_policy with the same policy shards exactly the modules PyTorch's wrapper wraps."""
     assert structures["fully_shard"][policy] == structures["torch"][policy]
+
+
+class ListNet(nn.Module):
+    """Blocks in an ``nn.ModuleList``, as most transformers hold their layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(3, 4)
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for index in range(2):
+            x = self.layers[index](x)
+        return x
+
+
+def _always_wrap_list(impl: str) -> dict[str, Any]:
+    wrapper, w, kwargs = _api(impl)
+    with warnings.catch_warnings():  # PyTorch: "FSDP will not all-gather ... containers"
+        warnings.filterwarnings("ignore", "FSDP will not all-gather parameters for containers")
+        model = wrapper(ListNet(), auto_wrap_policy=w.always_wrap_policy, **kwargs)
+    with torch.no_grad():
+        output = model(torch.arange(6.0).reshape(2, 3)).tolist()
+    return {"wrapped": _wrapped(model, wrapper), "output": output}
+
+
+def test_always_wrap_leaves_an_emptied_module_list_unwrapped(rank_pool: RankPool) -> None:
+    """always_wrap_policy over a ModuleList: the same units and outputs as PyTorch, except that
+    PyTorch also wraps the emptied list itself (shard's units need a forward)."""
+    theirs = rank_pool.run(_always_wrap_list, 2, "torch")[0]
+    ours = rank_pool.run(_always_wrap_list, 2, "shard")[0]
+    assert ours["output"] == theirs["output"]
+    assert "layers" in theirs["wrapped"]
+    assert ours["wrapped"] == [n for n in theirs["wrapped"] if n != "layers"]
+    assert len(ours["wrapped"]) == 8
 
 
 # ---------------------------------------------------------------------- manual wrapping

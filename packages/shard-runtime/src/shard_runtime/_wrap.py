@@ -87,6 +87,9 @@ _ACCEPTED = (
     "nonwrapped_numel) -> bool"
 )
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Modules without a forward: never units (shard-core's walker refuses them)."""
+
 _FULLY_SHARD_KWARGS = tuple(
     p.name
     for p in inspect.signature(fully_shard).parameters.values()
@@ -237,6 +240,11 @@ class _AutoWrapFnPolicy:
 
     def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
         if id(module) in self._leaves:
+            return False
+        if isinstance(module, _CONTAINERS) and unwrapped_numel == 0:
+            # PyTorch wraps an emptied container too (``always_wrap_policy``), a unit
+            # with nothing to gather; shard's units need a forward, so it stays a plain
+            # container between its children's units.
             return False
         decision: object = self._fn(module=module, recurse=False, nonwrapped_numel=unwrapped_numel)
         if isinstance(decision, Mapping):
