@@ -367,6 +367,30 @@ def test_bf16_hook_really_reduces_in_bf16(rank_pool: RankPool) -> None:
         assert default != bf16
 
 
+def _hook_refusals() -> list[str]:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    policy = shard_runtime.ModuleWrapPolicy({Block})
+    wrapper = shard_runtime.FullyShardedDataParallel
+    hybrid = wrapper(
+        Net(),
+        auto_wrap_policy=policy,
+        sharding_strategy=shard_runtime.ShardingStrategy.HYBRID_SHARD,
+    )
+    plain = wrapper(Net(), auto_wrap_policy=policy)
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    return [
+        _error(lambda: hybrid.register_comm_hook(state, default_hooks.allreduce_hook)),
+        _error(lambda: plain.register_comm_hook(state, 3)),
+    ]
+
+
+def test_pytorch_hooks_are_refused_where_pytorch_refuses_them(rank_pool: RankPool) -> None:
+    """A PyTorch hook on a hybrid strategy is an AssertionError, a non-callable one a
+    ValueError, as PyTorch's wrapper answers."""
+    assert rank_pool.run(_hook_refusals, 2) == [["AssertionError", "ValueError"]] * 2
+
+
 # ---------------------------------------------------------------------- state-dict configs
 
 CONFIGS = [
