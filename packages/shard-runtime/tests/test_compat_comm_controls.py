@@ -84,9 +84,9 @@ class _CountingReduceScatter:
 def _script(impl: str, case: str) -> dict[str, Any]:
     """Two steps of the same user code under ``impl``; ``case`` names the controls set."""
     if impl == "torch":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
-        from shard_runtime import fully_shard
+        from shard_runtime import MixedPrecisionPolicy, fully_shard
     flags = set(case.split("+"))
     world = dist.get_world_size()
     if "hsdp" in flags:
@@ -95,9 +95,11 @@ def _script(impl: str, case: str) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = _Net()
+    # fp16 reductions: the force-sum division splits around the sum against overflow.
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.float16 if "fp16" in flags else None)
     for child in (model.emb, model.l1, model.side):
-        fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root holds l2
+        fully_shard(child, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the root holds l2
     root: Any = model
     seen: list[list[float]] = []
     gather, scatter = _CountingAllGather(), _CountingReduceScatter()
@@ -211,6 +213,7 @@ def test_share_comm_ctx_signature_matches_torch() -> None:
         "sum",
         "hook",
         "hook+sum",
+        "hook+sum+fp16",
         "noub",
         "custom",
         "side_unused",
@@ -230,7 +233,9 @@ def test_controls_match_torch_on_two_ranks(rank_pool: RankPool, case: str) -> No
         assert ours[0]["grads"]["side.weight"] == [0.0] * 8  # rank 0 holds 2 of 3 rows
 
 
-@pytest.mark.parametrize("case", ["hsdp", "hsdp+factor+sum", "hsdp+hook", "hsdp+hook+sum"])
+@pytest.mark.parametrize(
+    "case", ["hsdp", "hsdp+factor+sum", "hsdp+hook", "hsdp+hook+sum", "hsdp+hook+fp16"]
+)
 def test_controls_match_torch_on_2x2_hybrid_mesh(rank_pool: RankPool, case: str) -> None:
     """On a 2x2 (replicate, shard) mesh the divide factor and the hook act as in PyTorch."""
     ours = _compare(rank_pool, 4, case)

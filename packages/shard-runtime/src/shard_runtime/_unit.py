@@ -21,7 +21,9 @@ decides *where* the bytes live (per-parameter or flat layout).
 - ``all_reduce_hook`` runs on this rank's reduced gradient shard after the
   collectives (after the replica all-reduce on a 2-D mesh, instead of it on a
   1-D one, where a user brings their own replication) and before the division
-  ``force_sum_reduction_for_comms`` moved after them, so it sees sums then;
+  ``force_sum_reduction_for_comms`` moved after them, so it sees sums then
+  (with an fp16-like reduce dtype it sees the sum divided by the part taken
+  before it, as in PyTorch);
 - ``unshard_in_backward=False`` skips the all-gather before the unit's
   backward (and backward prefetches of it), for units whose backward needs no
   parameter values (an embedding's gradient needs only the indices);
@@ -387,7 +389,10 @@ class Unit:
         hsdp = self.replicate_group is not None
         factor = self.gradient_divide_factor
         narrow = reduce_dtype not in (torch.float32, torch.bfloat16)
-        if self.force_sum_reduction_for_comms or (narrow and factor is not None):
+        # Narrow dtypes split around a pure sum in PyTorch whatever the flags; shard keeps its
+        # own split (see [Note: Divide factors]) unless a factor or a hook makes it visible.
+        visible = factor is not None or self.all_reduce_hook is not None
+        if self.force_sum_reduction_for_comms or (narrow and visible):
             before, after = _sum_split(float(dp_size) if factor is None else factor, reduce_dtype)
             return DividePlan(before, 1.0, 1.0, after)
         if factor is not None:  # one division of the full sum, before the hook
