@@ -461,22 +461,27 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
     def _register_torch_comm_hook(self, state: object, hook: object) -> None:
         if not self.check_is_root():
             raise AssertionError(
-                f"register_comm_hook can only be called on a root instance; this wrapper around "
-                f"{type(self.module).__name__} is inside another: call it on the outermost one"
+                f"register_comm_hook: the wrapper around {type(self.module).__name__} is inside "
+                "another wrapper; register the hook on the outermost (root) wrapper, which "
+                "installs it on every unit"
             )
         if not callable(hook):
-            raise ValueError(f"The communication hook must be callable but got {hook!r}")
+            raise ValueError(
+                f"register_comm_hook: hook {hook!r} ({type(hook).__name__}) is not callable; pass "
+                "a function hook(state, grad, output=None), e.g. default_hooks.allreduce_hook"
+            )
         for wrapper in self.fsdp_modules(self):
             if wrapper.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
-                    f"Communication hook is not supported for hybrid strategies: "
-                    f"{wrapper.sharding_strategy} (the wrapper around "
-                    f"{type(wrapper.module).__name__}); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD"
+                    f"register_comm_hook: a (state, hook) comm hook cannot run under "
+                    f"{wrapper.sharding_strategy.name} (the wrapper around "
+                    f"{type(wrapper.module).__name__}): it reduces over one group only; use "
+                    "FULL_SHARD, SHARD_GRAD_OP or NO_SHARD, or a shard CommHook"
                 )
             if _state(wrapper).unit.comm_hook is not None:
                 raise AssertionError(
-                    f"A communication hook is already registered (on the wrapper around "
-                    f"{type(wrapper.module).__name__}); register one hook, once, before training"
+                    f"register_comm_hook: the wrapper around {type(wrapper.module).__name__} "
+                    "already has a comm hook; register one hook per model, once, before training"
                 )
         for wrapper in self.fsdp_modules(self):
             unit = _state(wrapper).unit
