@@ -174,18 +174,20 @@ class PerParamGroup:
 
     def accumulate(self, output: torch.Tensor) -> None:
         offset = 0
-        # A parameter that got no gradient in this backward keeps ``grad is None``, as in
-        # PyTorch, so the optimizer leaves it alone (its zeros only keep the layout).
         with_grad = self._with_grad.popleft() if self._with_grad else [True] * len(self.trainable)
         for p, has_grad in zip(self.trainable, with_grad, strict=True):
-            if not has_grad and not self.zero_unused_grads:
-                offset += p.padded_numel
-                continue
             # The real rows lead the padded block (padding exists only on dim 0).
             local_shape = p.local_shape
             local = output[offset : offset + local_shape.numel()]
-            p.accumulate_sharded_grad(local.view(local_shape))
             offset += p.padded_numel
+            if not has_grad and not self.zero_unused_grads and not bool(local.any()):
+                # No rank sent a gradient for this shard (its zeros only kept the layout):
+                # keep grad None, as PyTorch does, so the optimizer leaves it alone. Where
+                # another rank's forward used the parameter, the reduced shard holds its
+                # contribution and is accumulated, so shards of one parameter never disagree.
+                # The check syncs with the host, only for parameters without a local grad.
+                continue
+            p.accumulate_sharded_grad(local.view(local_shape))
 
 
 def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: ShardedParam) -> None:
