@@ -9,6 +9,7 @@ and backward. Apply it bottom-up (blocks first, then the root).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn, TypeVar, cast, overload
@@ -595,13 +596,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}"
+            f"register_fsdp_forward_method: {type(module).__name__} has no method "
+            f"{method_name!r}; pass the name of a method its class defines, e.g. 'generate'"
         )
 
     # See [Note: torch.compile] in _compile.py.
     pre_forward = eager_hook(state.pre_forward, f"pre-forward of {method_name}")
     post_forward = eager_hook(state.post_forward, f"post-forward of {method_name}")
 
+    @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = pre_forward(module, args, kwargs)
         return post_forward(module, method(*args, **kwargs))
