@@ -141,6 +141,43 @@ def test_reshard_after_forward_none_default_and_explicit_root(rank_pool: RankPoo
         assert shard["set_int"] == "ValueError"
 
 
+def _script_eval_state_dict_and_train(impl: str) -> dict[str, Any]:
+    m = _api(impl)
+    out: dict[str, Any] = {}
+    model = _two_units(m)
+    optim = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.ones(2, 4) + dist.get_rank()
+    with torch.no_grad():
+        model(x)
+    out["after_eval"] = _is_sharded(model)
+    out["state_dict"] = {
+        k: [type(v).__name__, list(v.shape)] for k, v in model.state_dict().items()
+    }
+    out["after_state_dict"] = _is_sharded(model)
+    losses = []
+    for _ in range(2):
+        loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(round(loss.item(), 5))
+        with torch.no_grad():
+            losses.append(round(model(x).sum().item(), 5))
+    out["losses"] = losses
+    out["end"] = _is_sharded(model)
+    return out
+
+
+def test_eval_forward_state_dict_and_training(rank_pool: RankPool) -> None:
+    """An eval forward keeps the root unsharded; state_dict reshards it; training goes on."""
+    for result in _run(rank_pool, "_script_eval_state_dict_and_train"):
+        assert result["shard"] == result["torch"]
+        shard = result["shard"]
+        assert shard["after_eval"] == [True, True, False, False]
+        assert shard["after_state_dict"] == [True] * 4
+        assert set(shard["state_dict"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+
+
 def _script_int_reshard_on_root(impl: str) -> dict[str, Any]:
     m = _api(impl)
     out: dict[str, Any] = {}
