@@ -10,6 +10,7 @@ exceed PyTorch's.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -95,15 +96,26 @@ def _compiled_side_by_side() -> dict[str, dict[str, Any]]:
     }
 
 
+@pytest.fixture(scope="module")
+def compile_pool() -> Iterator[RankPool]:
+    """Ranks of their own: Inductor leaves threads, compile workers and caches behind.
+
+    The session's shared pool would carry them into every later test (a rank's
+    crash report, for one, then ends with those threads' stacks).
+    """
+    with RankPool() as pool:
+        yield pool
+
+
 # PyTorch's own warnings, raised inside the compiler under pytest's "error" filter:
 # Inductor's import (torch.utils.mkldnn) uses a deprecated torch.jit decorator, and
 # Dynamo probes `.grad` of every non-leaf input it wraps (hidden from display only).
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_compiled_fully_shard_matches_pytorch(rank_pool: RankPool, world_size: int) -> None:
+def test_compiled_fully_shard_matches_pytorch(compile_pool: RankPool, world_size: int) -> None:
     """Default torch.compile trains with eager's losses, PyTorch's losses and no more breaks."""
-    for rank, runs in enumerate(rank_pool.run(_compiled_side_by_side, world_size)):
+    for rank, runs in enumerate(compile_pool.run(_compiled_side_by_side, world_size)):
         expected = runs["torch-eager"]["losses"]
         for name in ("torch-compiled", "shard-eager", "shard-compiled"):
             assert runs[name]["losses"] == expected, (rank, name)
