@@ -11,6 +11,7 @@ from shard_core.plugin import _manager
 
 # Each error with the built-in exception a Python user would catch it as.
 BUILTIN_BASE = {
+    "CollectiveError": RuntimeError,
     "CommError": ValueError,
     "DeviceMismatchError": ValueError,
     "DeviceUnavailableError": RuntimeError,

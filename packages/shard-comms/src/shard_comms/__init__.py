@@ -3,7 +3,9 @@
 The runtime calls these on every step: :func:`all_gather` and
 :func:`reduce_scatter` over flat buffers (several tensors in one call with the
 ``_many`` forms), :func:`all_reduce` across replicas, counted by
-:func:`count_collectives`. A training script calls :func:`init_distributed`
+:func:`count_collectives` and recorded by the flight recorder
+(:func:`flight_recorder`), whose records name a failed collective
+(:class:`CollectiveError`). A training script calls :func:`init_distributed`
 once and :func:`build_mesh` to describe its data-parallel layout.
 """
 
@@ -39,6 +41,14 @@ from shard_comms._custom import (
     group_allocates,
 )
 from shard_comms._device import clear_device_handle_cache, get_device_handle
+from shard_comms._diagnose import format_flight_table, load_flight_dump
+from shard_comms._flight import (
+    FlightEntry,
+    FlightRecorder,
+    flight_recorder,
+    reset_flight_recorder,
+    set_flight_step,
+)
 from shard_comms._hooks import (
     DefaultGradReducer,
     default_comm_hook,
@@ -56,11 +66,12 @@ from shard_comms._init import (
 )
 from shard_comms._mesh import build_mesh, mesh_groups
 from shard_comms._version import __version__
-from shard_core.errors import CommError, DistributedInitError, MeshError
+from shard_core.errors import CollectiveError, CommError, DistributedInitError, MeshError
 
 __all__ = [
     "BufferCacheInfo",
     "COLLECTIVE_KINDS",
+    "CollectiveError",
     "CollectiveKind",
     "CollectiveStats",
     "CommCounts",
@@ -71,6 +82,8 @@ __all__ = [
     "DefaultGradReducer",
     "DistributedInitError",
     "DistributedState",
+    "FlightEntry",
+    "FlightRecorder",
     "InitPlan",
     "LaunchEnv",
     "MeshError",
@@ -93,9 +106,12 @@ __all__ = [
     "custom_reduce_scatter",
     "default_comm_hook",
     "default_divide_factors",
+    "flight_recorder",
+    "format_flight_table",
     "get_device_handle",
     "group_allocates",
     "init_distributed",
+    "load_flight_dump",
     "mesh_groups",
     "parse_launch_env",
     "plan_init",
@@ -103,6 +119,8 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_many",
     "reset_comm_counters",
+    "reset_flight_recorder",
     "resolve_comm_hook",
     "resolve_divide_factors",
+    "set_flight_step",
 ]

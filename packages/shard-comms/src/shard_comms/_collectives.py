@@ -60,7 +60,9 @@ from torch.profiler import record_function
 
 from shard_comms._buffers import buffer_cache
 from shard_comms._counters import CollectiveKind, record_collective
-from shard_core.errors import CommError, DistributedInitError
+from shard_comms._diagnose import collective_failure
+from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder
+from shard_core.errors import CollectiveError, CommError, DistributedInitError
 
 __all__ = [
     "CommHandle",
@@ -97,22 +99,37 @@ class CommHandle:
     idempotent.
     """
 
-    __slots__ = ("_finish", "_work")
+    __slots__ = ("_entry", "_finish", "_work")
 
     def __init__(
-        self, work: dist.Work | list[dist.Work] | None, finish: Callable[[], None] | None
+        self,
+        work: dist.Work | list[dist.Work] | None,
+        finish: Callable[[], None] | None,
+        entry: FlightEntry | None = None,
     ) -> None:
         self._work = work
         self._finish = finish
+        self._entry = entry
 
     def wait(self) -> None:
-        """Block until the result is in its output tensor."""
+        """Block until the result is in its output tensor.
+
+        Raises:
+            CollectiveError: the collective failed or timed out; the message
+                names what every rank last issued (see ``_diagnose.py``).
+        """
         work, self._work = self._work, None
-        if isinstance(work, list):
-            for piece in work:
-                piece.wait()
-        elif work is not None:
-            work.wait()
+        try:
+            if isinstance(work, list):
+                for piece in work:
+                    piece.wait()
+            elif work is not None:
+                work.wait()
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            raise collective_failure(self._entry, exc) from exc
+        FlightRecorder.complete(self._entry)
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
@@ -234,9 +251,26 @@ def _gather(
     return works if async_op else None
 
 
-def _finish_now(finish: Callable[[], None]) -> CommHandle:
-    finish()
+def _issued(
+    entry: FlightEntry | None,
+    work: dist.Work | list[dist.Work] | None,
+    finish: Callable[[], None] | None,
+    async_op: bool,
+) -> CommHandle:
+    """The handle of an issued collective; a synchronous one is complete already."""
+    if async_op and work is not None:
+        return CommHandle(work, finish, entry)
+    FlightRecorder.complete(entry)
+    if finish is not None:
+        finish()
     return _DONE
+
+
+def _backend_failed(entry: FlightEntry | None, exc: RuntimeError) -> CollectiveError:
+    """The named failure of a collective whose call raised (see ``_diagnose.py``)."""
+    if isinstance(exc, CollectiveError):
+        return exc
+    return collective_failure(entry, exc)
 
 
 # ---------------------------------------------------------------------------
@@ -251,12 +285,15 @@ def all_gather(
     *,
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Gather every rank's ``shard`` into the preallocated flat ``output``, in rank order.
 
     ``output`` is contiguous with ``group size * shard.numel()`` elements; a
     shard in another dtype is cast on the way in. With ``async_op`` the
-    result is in ``output`` after the handle's ``wait()``.
+    result is in ``output`` after the handle's ``wait()``. ``label`` (the
+    unit) and ``phase`` (``"forward all-gather"``...) name it in profiles and
+    in the flight recorder.
     """
     size, _ = _size_rank(group, "all_gather")
     numel = shard.numel()
@@ -280,16 +317,23 @@ def all_gather(
         source.view(shard.shape).copy_(shard)
     else:
         source = shard.view(-1)
+    nbytes = flat_out.numel() * flat_out.element_size()
     with _profiler_range("all_gather", label):
-        record_collective("all_gather", flat_out.numel() * flat_out.element_size(), label, size)
-        work = _gather(flat_out, source, size, group, async_op)
+        record_collective("all_gather", nbytes, label, size)
+        entry = flight_recorder().issue(
+            "all_gather", label, phase, group, flat_out.numel(), nbytes, flat_out.dtype
+        )
+        try:
+            work = _gather(flat_out, source, size, group, async_op)
+        except RuntimeError as exc:
+            raise _backend_failed(entry, exc) from exc
     if staged is None:
-        return CommHandle(work, None) if async_op else _DONE
+        return _issued(entry, work, None, async_op)
 
     def finish() -> None:
         cache.release(staged)
 
-    return CommHandle(work, finish) if async_op else _finish_now(finish)
+    return _issued(entry, work, finish, async_op)
 
 
 def all_gather_many(
@@ -299,6 +343,7 @@ def all_gather_many(
     *,
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Gather several tensors of one unit in one all-gather.
 
@@ -315,7 +360,7 @@ def all_gather_many(
             "pass one output per shard"
         )
     if len(shards) == 1:
-        return all_gather(outputs[0], shards[0], group, async_op=async_op, label=label)
+        return all_gather(outputs[0], shards[0], group, async_op=async_op, label=label, phase=phase)
     size, _ = _size_rank(group, "all_gather_many")
     sizes = [shard.numel() for shard in shards]
     for index, (output, numel) in enumerate(zip(outputs, sizes, strict=True)):
@@ -340,9 +385,16 @@ def all_gather_many(
     flat_in = in_base[:total]
     flat_out = out_base[: total * size]
     torch.cat([shard.reshape(-1) for shard in shards], out=flat_in)
+    nbytes = flat_out.numel() * flat_out.element_size()
     with _profiler_range("all_gather", label):
-        record_collective("all_gather", flat_out.numel() * flat_out.element_size(), label, size)
-        work = _gather(flat_out, flat_in, size, group, async_op)
+        record_collective("all_gather", nbytes, label, size)
+        entry = flight_recorder().issue(
+            "all_gather", label, phase, group, flat_out.numel(), nbytes, dtype
+        )
+        try:
+            work = _gather(flat_out, flat_in, size, group, async_op)
+        except RuntimeError as exc:
+            raise _backend_failed(entry, exc) from exc
 
     def finish() -> None:
         rows = flat_out.view(size, total)
@@ -360,7 +412,7 @@ def all_gather_many(
         cache.release(in_base)
         cache.release(out_base)
 
-    return CommHandle(work, finish) if async_op else _finish_now(finish)
+    return _issued(entry, work, finish, async_op)
 
 
 # ---------------------------------------------------------------------------
@@ -421,26 +473,35 @@ def _issue_reduce_scatter(
     into: torch.Tensor | None,
     async_op: bool,
     label: str | None,
-) -> tuple[dist.Work | None, torch.Tensor, torch.Tensor | None]:
+    phase: str | None,
+) -> tuple[dist.Work | None, torch.Tensor, torch.Tensor | None, FlightEntry | None]:
     """Reduce-scatter the flat, pre-divided ``source`` over ``size`` ranks; count it once.
 
     Returns the work, the tensor that holds (after the work) this rank's
-    reduced slice, and the leased staging buffer behind it, if any (to be
-    released when finished). The slice lands in ``into`` when it is given and
-    the backend scatters natively. See [Note: Reduce-scatter on gloo].
+    reduced slice, the leased staging buffer behind it, if any (to be
+    released when finished), and its flight-recorder entry. The slice lands
+    in ``into`` when it is given and the backend scatters natively. See
+    [Note: Reduce-scatter on gloo].
     """
     n = source.numel() // size
+    nbytes = source.numel() * source.element_size()
     with _profiler_range("reduce_scatter", label):
-        record_collective("reduce_scatter", source.numel() * source.element_size(), label, size)
-        if use_all_reduce:
-            work = dist.all_reduce(source, group=group, async_op=async_op)
-            return work, source[rank * n : (rank + 1) * n], None
-        out_base = None
-        if into is None:
-            out_base = buffer_cache().acquire(n, source.dtype, source.device)
-            into = out_base[:n]
-        work = dist.reduce_scatter_single(into, source, group=group, async_op=async_op)
-        return work, into, out_base
+        record_collective("reduce_scatter", nbytes, label, size)
+        entry = flight_recorder().issue(
+            "reduce_scatter", label, phase, group, source.numel(), nbytes, source.dtype
+        )
+        try:
+            if use_all_reduce:
+                work = dist.all_reduce(source, group=group, async_op=async_op)
+                return work, source[rank * n : (rank + 1) * n], None, entry
+            out_base = None
+            if into is None:
+                out_base = buffer_cache().acquire(n, source.dtype, source.device)
+                into = out_base[:n]
+            work = dist.reduce_scatter_single(into, source, group=group, async_op=async_op)
+        except RuntimeError as exc:
+            raise _backend_failed(entry, exc) from exc
+        return work, into, out_base, entry
 
 
 def reduce_scatter(
@@ -455,6 +516,7 @@ def reduce_scatter(
     algorithm: ReduceAlgorithm = "auto",
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Reduce the flat ``grad`` across ranks and leave this rank's slice in ``output``.
 
@@ -497,7 +559,7 @@ def reduce_scatter(
     if pre != 1.0:
         source.div_(pre)
     flat_out = output.view(-1)
-    work, destination, out_base = _issue_reduce_scatter(
+    work, destination, out_base, entry = _issue_reduce_scatter(
         source,
         rank,
         size,
@@ -506,6 +568,7 @@ def reduce_scatter(
         into=flat_out if output.dtype == rdt else None,
         async_op=async_op,
         label=label,
+        phase=phase,
     )
 
     def finish() -> None:
@@ -523,7 +586,7 @@ def reduce_scatter(
         if out_base is not None:
             cache.release(out_base)
 
-    return CommHandle(work, finish) if async_op else _finish_now(finish)
+    return _issued(entry, work, finish, async_op)
 
 
 def reduce_scatter_many(
@@ -538,6 +601,7 @@ def reduce_scatter_many(
     algorithm: ReduceAlgorithm = "auto",
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Reduce-scatter several gradients of one unit in one collective.
 
@@ -565,6 +629,7 @@ def reduce_scatter_many(
             algorithm=algorithm,
             async_op=async_op,
             label=label,
+            phase=phase,
         )
     size, rank = _size_rank(group, "reduce_scatter_many")
     sizes = [output.numel() for output in outputs]
@@ -597,7 +662,7 @@ def reduce_scatter_many(
     )
     if pre != 1.0:
         source.div_(pre)
-    work, destination, out_base = _issue_reduce_scatter(
+    work, destination, out_base, entry = _issue_reduce_scatter(
         source,
         rank,
         size,
@@ -606,6 +671,7 @@ def reduce_scatter_many(
         into=None,
         async_op=async_op,
         label=label,
+        phase=phase,
     )
 
     def finish() -> None:
@@ -616,7 +682,7 @@ def reduce_scatter_many(
         if out_base is not None:
             cache.release(out_base)
 
-    return CommHandle(work, finish) if async_op else _finish_now(finish)
+    return _issued(entry, work, finish, async_op)
 
 
 # ---------------------------------------------------------------------------
@@ -634,6 +700,7 @@ def all_reduce(
     post_divide: float | None = None,
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Reduce ``tensor`` across ranks in place (replicas of a hybrid mesh, unsharded units).
 
@@ -654,11 +721,18 @@ def all_reduce(
     if pre != 1.0:
         work_tensor.div_(pre)
     work: dist.Work | None = None
+    entry: FlightEntry | None = None
     if size > 1:
         with _profiler_range("all_reduce", label):
             nbytes = work_tensor.numel() * work_tensor.element_size()
             record_collective("all_reduce", nbytes, label, size)
-            work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
+            entry = flight_recorder().issue(
+                "all_reduce", label, phase, group, work_tensor.numel(), nbytes, rdt
+            )
+            try:
+                work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
+            except RuntimeError as exc:
+                raise _backend_failed(entry, exc) from exc
 
     def finish() -> None:
         if post != 1.0:
@@ -667,9 +741,7 @@ def all_reduce(
             tensor.copy_(work_tensor.view(tensor.shape))
             cache.release(staged)
 
-    if staged is None and post == 1.0:
-        return CommHandle(work, None) if async_op and work is not None else _DONE
-    return CommHandle(work, finish) if async_op and work is not None else _finish_now(finish)
+    return _issued(entry, work, None if staged is None and post == 1.0 else finish, async_op)
 
 
 def broadcast(
@@ -679,6 +751,7 @@ def broadcast(
     *,
     async_op: bool = False,
     label: str | None = None,
+    phase: str | None = None,
 ) -> CommHandle:
     """Copy ``tensor`` of the rank whose rank in ``group`` is ``src`` to every rank, in place."""
     size, _ = _size_rank(group, "broadcast")
@@ -688,6 +761,13 @@ def broadcast(
         return _DONE
     _check_contiguous(tensor, "broadcast", "tensor")
     with _profiler_range("broadcast", label):
-        record_collective("broadcast", tensor.numel() * tensor.element_size(), label, size)
-        work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
-    return CommHandle(work, None) if async_op else _DONE
+        nbytes = tensor.numel() * tensor.element_size()
+        record_collective("broadcast", nbytes, label, size)
+        entry = flight_recorder().issue(
+            "broadcast", label, phase, group, tensor.numel(), nbytes, tensor.dtype
+        )
+        try:
+            work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
+        except RuntimeError as exc:
+            raise _backend_failed(entry, exc) from exc
+    return _issued(entry, work, None, async_op)

@@ -16,6 +16,7 @@ that raise them re-export them where users look (``shard_comms.MeshError``,
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveError",
     "CommError",
     "DeviceMismatchError",
     "DeviceUnavailableError",
@@ -105,6 +106,17 @@ class DistributedInitError(ShardError, RuntimeError):
     A launch environment that is incomplete or malformed, a second
     ``init_distributed`` call that conflicts with the process group that
     already exists, or a collective called before any process group exists.
+    """
+
+
+class CollectiveError(ShardError, RuntimeError):
+    """A collective failed or timed out, or a peer died while one was in flight.
+
+    Raised on every rank that sees the failure, with the backend's exception
+    as ``__cause__``. The message reads the flight recorder of this rank and,
+    through the c10d store, of every rank that answers: what each last issued
+    and completed (unit, phase, step, sequence number), the first rank whose
+    record differs and how, and the ranks that did not answer.
     """
 
 

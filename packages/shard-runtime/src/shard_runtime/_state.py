@@ -62,6 +62,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
+from shard_comms import set_flight_step
 from shard_runtime._compile import eager_hook
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
@@ -138,6 +139,7 @@ class ShardState:
         self.post_forward_order: list[ShardState] = []
         self._final_callback_queued = False
         self.last_forward_order: list[ShardState] = []
+        self.step = 0  # backwards completed: the step the flight recorder names
         # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
         self.forward_prefetch: list[ShardState] | None = None
         self.backward_prefetch: list[ShardState] | None = None
@@ -263,6 +265,7 @@ class ShardState:
             if root.post_forward_order:
                 root.last_forward_order = list(root.post_forward_order)
             root.post_forward_order.clear()
+            set_flight_step(root.step)
         self.unit.training_state = TrainingState.FORWARD
         if root.on_forward_gather is not None:
             root.on_forward_gather(self.unit.comm_label)
@@ -517,6 +520,8 @@ class ShardState:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
+        self.step += 1
+        set_flight_step(self.step)
         if self.on_iteration_end is not None:
             self.on_iteration_end()
         _log.debug("shard: end of backward for %d units", len(self.all_states))

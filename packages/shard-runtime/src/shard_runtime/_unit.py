@@ -313,7 +313,12 @@ class Unit:
             )
         else:
             output = self.group.gather_output(self.shard_world, self.compute_device)
-        return output, all_gather(output, send, group, async_op=True, label=self.comm_label)
+        # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
+        backward = torch._C._current_graph_task_id() != -1
+        phase = "backward all-gather" if backward else "forward all-gather"
+        return output, all_gather(
+            output, send, group, async_op=True, label=self.comm_label, phase=phase
+        )
 
     def _group_allocates(self, group: dist.ProcessGroup) -> bool:
         return self.comm_allocator != "default" and group_allocates(group, self.compute_device)

@@ -1,0 +1,349 @@
+"""Named failures: turn a backend's collective error into one that says what happened.
+
+When a collective fails or times out (gloo raises ``RuntimeError``: a
+timeout, a peer that closed its connection), :func:`collective_failure`
+builds a :class:`~shard_core.errors.CollectiveError` from every rank's flight
+recorder (see ``_flight.py``). It names, in order: this rank with its last
+issued and last completed collective; what every other rank that answers
+last issued and completed; the first rank whose record differs and how; the
+ranks that are behind; the ranks that did not answer.
+
+[Note: Exchanging records through the store]
+A failed collective cannot carry the records (the group is what broke), but
+the c10d store still works: it is a separate TCP server (torchrun's agent
+hosts it, outside the ranks), and a rank killed with SIGKILL does not take it
+down. So a failing rank writes a compact summary of its record (last issued,
+last completed, the 64 most recent entries) under ``shard/flight/<rank>`` in
+the default group's store, then polls its peers' keys with ``check`` (which
+never blocks) for ``SHARD_FLIGHT_WAIT`` seconds (5 by default). Every live
+rank of a broken group fails within the group's timeout, so their keys appear
+within that time of each other; a rank whose key is still missing is dead, or
+stuck outside any collective (a ``time.sleep``, an endless loop). Only the
+first failure of a process waits: the ones that follow (a step's cleanup
+waiting on the same broken group) read what is there and go on.
+
+``SHARD_FLIGHT_RECORDER_DUMP=DIR`` also writes every failing rank's whole
+record to ``DIR/flight_rank<r>.json``; ``shard debug flight DIR`` prints them
+side by side (:func:`format_flight_table`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
+
+from shard_comms._flight import FlightEntry, flight_recorder
+from shard_core.errors import CollectiveError, CommError
+
+__all__ = [
+    "collective_failure",
+    "describe_entry",
+    "find_divergence",
+    "format_flight_table",
+    "load_flight_dump",
+]
+
+_KEY = "shard/flight/{rank}"
+_WAIT_ENV = "SHARD_FLIGHT_WAIT"
+_DUMP_ENV = "SHARD_FLIGHT_RECORDER_DUMP"
+_DEFAULT_WAIT_S = 5.0
+_POLL_S = 0.05
+_reported = False
+
+
+def _wait_seconds() -> float:
+    raw = os.environ.get(_WAIT_ENV, "").strip()
+    if not raw:
+        return _DEFAULT_WAIT_S
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise CommError(
+            f"{_WAIT_ENV}={raw!r} is not a number of seconds; set it to e.g. 5"
+        ) from None
+
+
+def describe_entry(entry: Mapping[str, Any] | None) -> str:
+    """``all-gather of `layers.1` (forward all-gather, step 2, seq 17)``, or ``nothing``."""
+    if entry is None:
+        return "nothing"
+    op = str(entry["op"]).replace("_", "-")
+    return (
+        f"{op} of `{entry['label'] or '-'}` ({entry['phase']}, step {entry['step']}, "
+        f"seq {entry['seq']})"
+    )
+
+
+def _short(entry: Mapping[str, Any]) -> str:
+    return f"`{entry['label'] or '-'}` ({entry['phase']}, step {entry['step']}, seq {entry['seq']})"
+
+
+def _signature(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (entry["op"], entry["label"], entry["phase"], entry["numel"], entry["dtype"])
+
+
+def find_divergence(summaries: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """The first collective, by sequence number in its group, where two ranks' records differ.
+
+    ``summaries`` maps a rank to its recorder's summary. Returns a sentence
+    naming the rank that differs from the lowest rank holding that entry, or
+    ``None`` when every entry both hold agrees.
+    """
+    by_group: dict[str, dict[int, dict[int, Mapping[str, Any]]]] = {}
+    for rank, summary in summaries.items():
+        for entry in summary.get("recent", []):
+            by_group.setdefault(entry["group"], {}).setdefault(rank, {})[entry["seq"]] = entry
+    found: list[tuple[float, str]] = []
+    for ranks in by_group.values():
+        if len(ranks) < 2:
+            continue
+        seqs = sorted({seq for entries in ranks.values() for seq in entries})
+        for seq in seqs:
+            holders = sorted(rank for rank, entries in ranks.items() if seq in entries)
+            if len(holders) < 2:
+                continue
+            ref_rank = holders[0]
+            ref = ranks[ref_rank][seq]
+            other = next(
+                (r for r in holders[1:] if _signature(ranks[r][seq]) != _signature(ref)), None
+            )
+            if other is None:
+                continue
+            mine = ranks[other][seq]
+            what = describe_entry(mine)
+            if mine["op"] == ref["op"] and mine["label"] != ref["label"]:
+                where = f"rank {ref_rank} issued `{ref['label'] or '-'}`"
+            elif _signature(mine)[:3] == _signature(ref)[:3]:
+                where = (
+                    f"rank {ref_rank} issued {describe_entry(ref)} "
+                    f"({ref['numel']} {ref['dtype']} elements, rank {other} "
+                    f"{mine['numel']} {mine['dtype']})"
+                )
+            else:
+                where = f"rank {ref_rank} issued {describe_entry(ref)}"
+            found.append((float(ref["start"]), f"rank {other} issued the {what} where {where}"))
+            break
+    if not found:
+        return None
+    return min(found)[1]
+
+
+def _behind(summaries: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    last: dict[str, dict[int, Mapping[str, Any]]] = {}
+    for rank, summary in summaries.items():
+        for entry in summary.get("recent", []):
+            seen = last.setdefault(entry["group"], {}).get(rank)
+            if seen is None or entry["seq"] > seen["seq"]:
+                last[entry["group"]][rank] = entry
+    lines: list[str] = []
+    for group, ranks in sorted(last.items()):
+        if len(ranks) < 2:
+            continue
+        top = max(entry["seq"] for entry in ranks.values())
+        ahead = min(rank for rank, entry in ranks.items() if entry["seq"] == top)
+        for rank, entry in sorted(ranks.items()):
+            if entry["seq"] < top:
+                lines.append(
+                    f"rank {rank} is behind on group {group}: it last issued "
+                    f"{describe_entry(entry)}, rank {ahead} is at {_short(ranks[ahead])}"
+                )
+    return lines
+
+
+def _rank_line(rank: int, summary: Mapping[str, Any], me: bool) -> str:
+    who = f"rank {rank} (this rank)" if me else f"rank {rank}"
+    issued = summary.get("issued")
+    state = f" [{issued['state']}]" if issued is not None else ""
+    return (
+        f"{who}: last issued {describe_entry(issued)}{state}; "
+        f"last completed {describe_entry(summary.get('completed'))}"
+    )
+
+
+def _default_store() -> Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group, or it is being torn down
+        return None
+
+
+def _publish_and_gather(
+    store: Store | None, rank: int, peers: Sequence[int], payload: dict[str, Any], wait: float
+) -> tuple[dict[int, dict[str, Any]], list[int], str | None]:
+    """Write this rank's summary, read the peers'.
+
+    See [Note: Exchanging records through the store].
+    """
+    if store is None:
+        return {}, list(peers), "no c10d store to exchange records through"
+    try:
+        store.set(_KEY.format(rank=rank), json.dumps(payload))
+    except Exception as exc:
+        return {}, list(peers), f"the c10d store did not answer ({exc})"
+    answered: dict[int, dict[str, Any]] = {}
+    pending = list(peers)
+    deadline = time.monotonic() + wait
+    while True:
+        for peer in list(pending):
+            key = _KEY.format(rank=peer)
+            try:
+                if not store.check([key]):
+                    continue
+                answered[peer] = json.loads(store.get(key))
+            except Exception as exc:
+                return answered, pending, f"the c10d store stopped answering ({exc})"
+            pending.remove(peer)
+        if not pending or time.monotonic() >= deadline:
+            return answered, pending, None
+        time.sleep(_POLL_S)
+
+
+def _dump(rank: int, payload: Mapping[str, Any]) -> str | None:
+    directory = os.environ.get(_DUMP_ENV, "").strip()
+    if not directory:
+        return None
+    path = Path(directory) / f"flight_rank{rank}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        full = dict(payload)
+        full["entries"] = [entry.as_dict() for entry in flight_recorder().entries()]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(full, indent=1))
+        tmp.replace(path)
+    except OSError as exc:
+        return f"could not write the flight record to {path}: {exc}"
+    return str(path)
+
+
+def collective_failure(entry: FlightEntry | None, error: BaseException) -> CollectiveError:
+    """The named failure for ``entry``, which the backend failed with ``error``.
+
+    Marks the entry failed, exchanges records with the peers (see [Note:
+    Exchanging records through the store]) and returns the exception to
+    raise; the caller raises it ``from error``.
+    """
+    global _reported
+    recorder = flight_recorder()
+    recorder.fail(entry)
+    initialized = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialized else 0
+    world = dist.get_world_size() if initialized else 1
+    group_ranks = list(entry.ranks) if entry is not None and entry.ranks else list(range(world))
+    peers = [r for r in group_ranks if r != rank]
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+    payload: dict[str, Any] = {"rank": rank, "time": time.time(), "reason": reason}
+    payload.update(recorder.summary())
+    store = _default_store() if initialized else None
+    wait = 0.0 if _reported else _wait_seconds()
+    _reported = True
+    answered, missing, store_problem = _publish_and_gather(store, rank, peers, payload, wait)
+    dumped = _dump(rank, payload)
+
+    lines = [
+        f"collective failed on rank {rank} of {world}: {describe_entry(payload['issued'])} "
+        f"raised {reason}"
+    ]
+    if not recorder.enabled:
+        lines.append("the flight recorder is off (SHARD_FLIGHT_RECORDER=0): no record to compare")
+    lines.append(_rank_line(rank, payload, me=True))
+    for peer in sorted(answered):
+        lines.append(_rank_line(peer, answered[peer], me=False))
+    everyone = {rank: payload, **answered}
+    divergence = find_divergence(everyone)
+    if divergence is not None:
+        lines.append(f"first difference: {divergence}")
+    lines.extend(_behind(everyone))
+    if missing:
+        names = ", ".join(str(r) for r in missing)
+        lines.append(
+            f"did not answer: rank {names} (dead, or stuck outside a collective; no record "
+            f"in the c10d store after {wait:g} s)"
+        )
+    if store_problem is not None:
+        lines.append(store_problem)
+    if dumped is not None:
+        lines.append(f"flight record written to {dumped}")
+    lines.append(
+        "fix: make every rank run the same modules in the same order each step (no "
+        "rank-dependent control flow around sharded modules), and check the named rank's log; "
+        f"set {_DUMP_ENV}=DIR and run `shard debug flight DIR` for the full record"
+    )
+    return CollectiveError("\n  ".join(lines))
+
+
+def load_flight_dump(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """Every ``flight_rank<r>.json`` in ``directory``, by rank.
+
+    Raises:
+        CommError: the directory holds no flight record.
+    """
+    path = Path(directory)
+    records: dict[int, dict[str, Any]] = {}
+    for file in sorted(path.glob("flight_rank*.json")):
+        data = json.loads(file.read_text())
+        records[int(data["rank"])] = data
+    if not records:
+        raise CommError(
+            f"no flight_rank<r>.json in {path}; run the job with "
+            f"{_DUMP_ENV}={path} so failing ranks write their record there"
+        )
+    return records
+
+
+def format_flight_table(records: Mapping[int, Mapping[str, Any]], last: int = 20) -> str:
+    """The per-rank table of the last ``last`` sequence numbers of each group, and a verdict."""
+    out: list[str] = []
+    ranks = sorted(records)
+    for rank in ranks:
+        rec = records[rank]
+        out.append(f"rank {rank}: {rec.get('reason', '')}")
+        out.append(f"  {_rank_line(rank, rec, me=False).split(': ', 1)[1]}")
+    by_group: dict[str, dict[int, dict[int, Mapping[str, Any]]]] = {}
+    for rank in ranks:
+        rec = records[rank]
+        for entry in rec.get("entries", rec.get("recent", [])):
+            by_group.setdefault(entry["group"], {}).setdefault(rank, {})[entry["seq"]] = entry
+    summaries = {
+        rank: {"recent": list(records[rank].get("entries", records[rank].get("recent", [])))}
+        for rank in ranks
+    }
+    width = 44
+    for group, per_rank in sorted(by_group.items()):
+        seqs = sorted({seq for entries in per_rank.values() for seq in entries})[-last:]
+        out.append("")
+        header = f"group {group}  seq  " + "".join(f"rank {r}".ljust(width) for r in ranks)
+        out.append(header.rstrip())
+        for seq in seqs:
+            cells = []
+            sigs = set()
+            for rank in ranks:
+                entry = per_rank.get(rank, {}).get(seq)
+                if entry is None:
+                    cells.append("-".ljust(width))
+                    continue
+                sigs.add(_signature(entry))
+                op = str(entry["op"]).replace("_", "-")
+                cell = f"{op} {entry['label'] or '-'} s{entry['step']} {entry['state']}"
+                cells.append(cell[: width - 2].ljust(width))
+            mark = "!" if len(sigs) > 1 else " "
+            out.append(
+                f"{mark}{' ' * (len(f'group {group}') - 1)}{seq:5d}  {''.join(cells)}".rstrip()
+            )
+    divergence = find_divergence(summaries)
+    out.append("")
+    out.append(f"first difference: {divergence}" if divergence else "no difference in the records")
+    out.extend(_behind(summaries))
+    missing = sorted(
+        {r for rec in records.values() for entry in rec.get("entries", []) for r in entry["ranks"]}
+        - set(ranks)
+    )
+    if missing:
+        out.append(f"no record from rank {', '.join(map(str, missing))} (dead, or did not fail)")
+    return "\n".join(out)
