@@ -41,6 +41,10 @@ def test_the_defaults_are_the_small_preset() -> None:
         ({"steps": 0}, r"--steps must be at least 1, got 0"),
         ({"preset": "huge"}, r"unknown preset 'huge'; presets are tiny, small, gpt2"),
         ({"ckpt_every": -1}, r"--ckpt-every must be 0 \(only at the end\) or more, got -1"),
+        (
+            {"max_restarts": -1},
+            r"--max-restarts must be 0 \(a failed rank ends the run\) or more, got -1",
+        ),
     ],
 )
 def test_bad_flags_are_errors_naming_the_flag(given: dict[str, object], message: str) -> None:
@@ -75,9 +79,12 @@ def test_resume_refuses_to_change_what_the_run_depends_on(tmp_path: Path) -> Non
 
 
 def test_resume_may_switch_front_end_and_strategy(tmp_path: Path) -> None:
-    """Checkpoints reshard on load, so a resume may change the front end and the strategy."""
+    """Checkpoints reshard on load, so a resume may change the front end and the strategy.
+
+    (And how many restarts it allows, which the checkpoint does not depend on.)
+    """
     stored = _stored(tmp_path)
-    changes = {"frontend": "wrapper", "strategy": "grad-op", "cpu_offload": True}
+    changes = {"frontend": "wrapper", "strategy": "grad-op", "cpu_offload": True, "max_restarts": 2}
     options = resolve_options({"resume": True, "run_dir": str(tmp_path), **changes})
     assert options == dataclasses.replace(stored, resume=True, **changes)
 

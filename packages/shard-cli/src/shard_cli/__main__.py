@@ -79,6 +79,13 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--measure-step", dest="measure_step", type=int, help="the step profiled for the summary"
     )
     p.add_argument("--timeout", dest="timeout_s", type=float, help="collective timeout in seconds")
+    p.add_argument(
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        help="restart every rank up to N times after one fails, resuming from the last "
+        f"checkpoint (default {defaults.max_restarts}: a failed rank ends the run)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,20 @@ machines the user starts the same module the same way; nothing else differs.
 Either way checkpoints are written atomically (shard-checkpoint renames a
 complete directory into place), so the last one completed is loadable, and
 the message says where it is and how to resume.
+
+With ``--max-restarts N`` the agent, instead of ending the job when a rank
+dies, stops the others and starts every rank again, up to N times; the new
+ranks resume from the last checkpoint on their own ([Note: restarts] in
+``_train.py``). Only when the restarts are used up does the launcher raise
+``ChildFailedError`` and the message above say so. The launcher gives its
+ranks one ``SHARD_TRAIN_LAUNCH_ID`` for all attempts, which the checkpoints
+record, so that a restart never resumes from an earlier run's checkpoint.
+Restarts also need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default the
+agent hosts the ranks' TCPStore and keeps it across restarts, and the new
+ranks' process group then reads the dead ranks' addresses from it and fails
+to connect (pytorch/pytorch#135712); with the variable set, every attempt's
+rank 0 hosts a fresh store. The launcher sets it only under
+``--max-restarts``, so that otherwise the store outlives any rank.
 """
 
 from __future__ import annotations
@@ -29,14 +43,18 @@ import logging
 import os
 import signal
 import sys
+import uuid
 
-from shard_cli._checkpoint import read_step
+from shard_cli._checkpoint import LAUNCH_ENV, read_step
 from shard_cli._options import TrainOptions
 
 __all__ = ["is_launched_rank", "launch", "stopped_message"]
 
 # Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 INTERRUPTED = 130
+
+# Makes the elastic agent give each attempt a fresh TCPStore (see the module's note).
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def is_launched_rank() -> bool:
@@ -101,23 +119,37 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // options.nproc)))
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    if options.max_restarts:
+        os.environ.setdefault(FRESH_STORE_ENV, "1")
     args = [
         "--standalone",
         f"--nproc-per-node={options.nproc}",
+        f"--max-restarts={options.max_restarts}",
         "--monitor-interval=0.5",
         "-m",
         "shard_cli",
         "train",
         *argv,
     ]
+    previous = os.environ.get(LAUNCH_ENV)
+    os.environ[LAUNCH_ENV] = uuid.uuid4().hex
     try:
         torchrun(args)
     except ChildFailedError as error:
-        print(stopped_message(options, _failure_cause(error)), file=sys.stderr, flush=True)
+        cause = _failure_cause(error)
+        if options.max_restarts:
+            runs = "restart" if options.max_restarts == 1 else "restarts"
+            cause += f", after {options.max_restarts} {runs} (--max-restarts)"
+        print(stopped_message(options, cause), file=sys.stderr, flush=True)
         return 1
     except (SignalException, KeyboardInterrupt) as error:
         sig = getattr(error, "sigval", signal.SIGINT)
         cause = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"received {sig.name}"
         print("\n" + stopped_message(options, cause), file=sys.stderr, flush=True)
         return INTERRUPTED
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCH_ENV, None)
+        else:
+            os.environ[LAUNCH_ENV] = previous
     return 0

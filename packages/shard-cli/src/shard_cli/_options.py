@@ -45,6 +45,7 @@ RESUMABLE_CHANGES = frozenset(
         "sample_chars",
         "measure_step",
         "timeout_s",
+        "max_restarts",
         # Checkpoints are keyed by parameter name and reshard on load (shard-checkpoint).
         "frontend",
         "strategy",
@@ -89,6 +90,10 @@ class TrainOptions:
             and communication time; ``None``: the second step of this launch.
         timeout_s: Collective timeout: a rank that stops answering ends the
             job after this long.
+        max_restarts: How many times the launcher's elastic agent restarts
+            every rank after one fails; each restart resumes from the run's
+            last complete checkpoint (see ``_train.py``, [Note: restarts]).
+            Ignored under ``torchrun``, which takes its own ``--max-restarts``.
     """
 
     preset: str = "small"
@@ -114,6 +119,7 @@ class TrainOptions:
     sample_chars: int = 200
     measure_step: int | None = None
     timeout_s: float = 300.0
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -132,6 +138,11 @@ class TrainOptions:
         if self.ckpt_every < 0:
             raise ValueError(
                 f"--ckpt-every must be 0 (only at the end) or more, got {self.ckpt_every}"
+            )
+        if self.max_restarts < 0:
+            raise ValueError(
+                f"--max-restarts must be 0 (a failed rank ends the run) or more, "
+                f"got {self.max_restarts}"
             )
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
@@ -182,8 +193,8 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
     from the preset (``steps``, ``batch``, ``seq``, ``lr``) and the defaults;
     with ``resume`` set, the run continues the one stored in
     ``<run_dir>/config.json`` and only ``steps``, ``ckpt_every``,
-    ``sample_chars``, ``measure_step``, ``timeout_s`` and how the model is
-    sharded (``frontend``, ``strategy``, ``shard_size``, ``cpu_offload``,
+    ``sample_chars``, ``measure_step``, ``timeout_s``, ``max_restarts`` and
+    how the model is sharded (``frontend``, ``strategy``, ``shard_size``, ``cpu_offload``,
     ``wrap_policy``) may change.
 
     Raises:

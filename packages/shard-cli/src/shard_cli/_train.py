@@ -18,13 +18,34 @@ step to step by up to one unit's buffers, and the lowest peak is the one
 that does not include that accident (``summary.json`` keeps the highest too).
 What each rank holds is measured right after the last one's optimizer step
 (gradients still there).
+
+[Note: restarts]
+Under ``--max-restarts N`` (or ``torchrun --max-restarts``) the elastic agent
+restarts every rank after one fails, and sets ``TORCHELASTIC_RESTART_COUNT``
+to the attempt. A restarted rank resumes as ``--resume`` would, from the
+checkpoint in the run's checkpoint directory, if that checkpoint is complete
+(an interrupted save leaves the previous one in place) and was written by
+this launch (``_checkpoint.launch_id``) or the launch itself resumed;
+otherwise it starts over from step 1. Every rank decides alone from the same
+files (the agent has stopped all ranks before it starts new ones), so the
+ranks agree without a collective. The resumed losses equal an uninterrupted
+run's bit for bit: a step's batch depends only on ``(seed, step, rank)``
+([Note: batches from the step alone]), the global random generator is
+reseeded from the same triple before every step (so dropout, were a model
+to use it, would not depend on how many steps this process ran), and the
+checkpoint holds the parameters and AdamW's state (its step count
+included) exactly. ``SHARD_TRAIN_TEST_KILL_AT_STEP=K``, for tests only,
+makes the last rank SIGKILL itself at the start of step ``K`` of the first
+attempt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,7 +58,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
-from shard_cli._checkpoint import load_training, save_training
+from shard_cli._checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli._corpus import CharCorpus, load_corpus
 from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
 from shard_cli._options import TrainOptions
@@ -59,6 +80,68 @@ from shard_core.errors import ShardError
 __all__ = ["RunSummary", "predict", "run_worker"]
 
 _PROFILED_STEPS = 3
+
+# Test hook: the last rank SIGKILLs itself at the start of this step, first attempt only.
+_KILL_AT_STEP_ENV = "SHARD_TRAIN_TEST_KILL_AT_STEP"
+
+
+def restart_attempt() -> int:
+    """Which attempt of the job this process is: 0, or the restart's number (elastic agent)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restart_options(options: TrainOptions, attempt: int) -> tuple[TrainOptions, str, bool]:
+    """The options a restarted rank runs with, what rank 0 says, and whether nothing is left.
+
+    See [Note: restarts]: resume from the checkpoint when it is this launch's
+    (or the launch resumed), else start over. Nothing is left when the
+    checkpoint is the run's last step (a rank failed after training, while
+    sampling or writing the summary): the trained model is saved, and a
+    restart has nothing to redo.
+    """
+    info = read_info(options.checkpoint_path)
+    where = options.checkpoint_path
+    if info is not None and (options.resume or (info.launch and info.launch == launch_id())):
+        if info.step >= options.steps:
+            note = (
+                f"shard train: restart {attempt} after a rank failed: the checkpoint at {where} "
+                f"is at the last step ({info.step}); training is complete, nothing to redo"
+            )
+            return options, note, True
+        note = (
+            f"shard train: restart {attempt} after a rank failed: resuming from the "
+            f"checkpoint at step {info.step} ({where})"
+        )
+        return dataclasses.replace(options, resume=True), note, False
+    note = (
+        f"shard train: restart {attempt} after a rank failed: no checkpoint of this run "
+        f"yet at {where}, starting over from step 1"
+    )
+    return options, note, False
+
+
+def _check_restart_store() -> None:
+    """Refuse a restart whose ranks would rendezvous through the previous attempt's store.
+
+    Under ``torchrun`` the agent shares its TCPStore with the ranks and keeps
+    it across restarts; the new process group would read the dead ranks'
+    addresses from it and fail with gloo's or NCCL's connection errors
+    (pytorch/pytorch#135712). ``shard train``'s launcher avoids it; a bare
+    ``torchrun --max-restarts`` needs the variable named below.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise RuntimeError(
+            "restarted by torchrun's elastic agent with its shared TCPStore, which still "
+            "holds the previous attempt's addresses, so the ranks cannot connect "
+            "(pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
+            "environment of torchrun (shard train --max-restarts does)"
+        )
+
+
+def _seed_step(seed: int, step: int, rank: int) -> None:
+    """Reseed the global generators from ``(seed, step, rank)``; see [Note: restarts]."""
+    # Another salt than the batch's generator (_corpus.py), so the two streams differ.
+    torch.manual_seed(((seed * 1_000_003 + step) * 65_537 + rank) * 31 + 7 & (2**63 - 1))
 
 
 @dataclass
@@ -282,8 +365,13 @@ class _Run:
         handle = get_device_handle(self.device.type)
         handle.reset_peak_memory_stats()
         started = time.perf_counter()
+        kill_at = self._kill_at()
         for step in range(first, options.steps + 1):
             self.current_step = step
+            if step == kill_at:
+                sys.stdout.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            _seed_step(options.seed, step, self.rank)
             began = time.perf_counter()
             if step in profiled:
                 baseline = held_bytes([*self.model.parameters(), *_optim_tensors(self.optim)])
@@ -337,6 +425,13 @@ class _Run:
         summary = self._summary(gathered, losses, wall, measured, counts, tokens_per_step)
         summary.measured_steps = len(traces)
         return summary
+
+    def _kill_at(self) -> int | None:
+        """The step at which this rank kills itself (test hook, see [Note: restarts])."""
+        given = os.environ.get(_KILL_AT_STEP_ENV)
+        if not given or self.rank != self.world - 1 or restart_attempt() != 0:
+            return None
+        return int(given)
 
     # ------------------------------------------------------------------ output
 
@@ -477,7 +572,15 @@ def run_worker(options: TrainOptions) -> int:
     """
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     run: _Run | None = None
+    attempt = restart_attempt()
     try:
+        if attempt:
+            _check_restart_store()
+            options, note, finished = restart_options(options, attempt)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(note, file=sys.stderr, flush=True)
+            if finished:
+                return 0
         run = _Run(options)
         run.prepare()
         summary = run.train()

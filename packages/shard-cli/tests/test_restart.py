@@ -1,0 +1,158 @@
+"""``--max-restarts``: what the launcher passes on, and what a restarted rank resumes from.
+
+The restart end to end (a rank killed, the run continuing exactly) is in
+``integration_tests/test_cli_restart.py``; these tests cover the decisions
+in one process, with checkpoints written by hand.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shard_checkpoint import save
+from shard_cli import TrainOptions
+from shard_cli._checkpoint import LAUNCH_ENV, launch_id, read_info
+from shard_cli._launch import FRESH_STORE_ENV, launch
+from shard_cli._train import _check_restart_store, restart_options
+
+
+def _options(tmp_path: Path, **changes: Any) -> TrainOptions:
+    return TrainOptions(preset="tiny", steps=8, run_dir=str(tmp_path / "run"), **changes)
+
+
+def _checkpoint(options: TrainOptions, step: int, launch: str | None) -> None:
+    train: dict[str, Any] = {"step": step, "world_size": 2, "frontend": "fully_shard"}
+    if launch is not None:
+        train["launch"] = launch
+    save({"train": train}, checkpoint_id=options.checkpoint_path)
+
+
+@pytest.fixture
+def this_launch(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(LAUNCH_ENV, "launch-a")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    return "launch-a"
+
+
+def test_launch_id_prefers_the_launcher_and_ignores_torchruns_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """shard train's id first; else the rendezvous id, but never torchrun's shared 'none'."""
+    monkeypatch.setenv(LAUNCH_ENV, "mine")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv")
+    assert launch_id() == "mine"
+    monkeypatch.delenv(LAUNCH_ENV)
+    assert launch_id() == "rdzv"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launch_id() == ""
+
+
+def test_a_restart_resumes_from_this_launchs_checkpoint(tmp_path: Path, this_launch: str) -> None:
+    options = _options(tmp_path)
+    _checkpoint(options, 3, this_launch)
+    assert read_info(options.checkpoint_path) is not None
+    resumed, note, finished = restart_options(options, 1)
+    assert resumed == TrainOptions(**{**options.to_json(), "resume": True})
+    assert not finished
+    assert note == (
+        "shard train: restart 1 after a rank failed: resuming from the checkpoint at step 3 "
+        f"({options.checkpoint_path})"
+    )
+
+
+@pytest.mark.parametrize("launch", ["launch-b", "", None], ids=["other", "no id", "old format"])
+def test_a_restart_never_takes_another_launchs_checkpoint(
+    tmp_path: Path, this_launch: str, launch: str | None
+) -> None:
+    """A checkpoint an earlier run left (or one with no launch recorded): start over."""
+    options = _options(tmp_path)
+    _checkpoint(options, 3, launch)
+    again, note, finished = restart_options(options, 2)
+    assert (again, finished) == (options, False)
+    assert note == (
+        "shard train: restart 2 after a rank failed: no checkpoint of this run yet at "
+        f"{options.checkpoint_path}, starting over from step 1"
+    )
+
+
+def test_a_resumed_launch_restarts_from_the_checkpoint_it_resumed(
+    tmp_path: Path, this_launch: str
+) -> None:
+    """--resume --max-restarts: the checkpoint the launch began from is this run's."""
+    options = _options(tmp_path, resume=True)
+    _checkpoint(options, 6, "launch-b")
+    again, _, finished = restart_options(options, 1)
+    assert (again, finished) == (options, False)
+
+
+def test_a_restart_after_the_last_step_has_nothing_to_redo(
+    tmp_path: Path, this_launch: str
+) -> None:
+    options = _options(tmp_path)
+    _checkpoint(options, 8, this_launch)
+    _, note, finished = restart_options(options, 1)
+    assert finished
+    assert "is at the last step (8); training is complete, nothing to redo" in note
+
+
+def test_a_restart_through_the_agents_shared_store_is_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(RuntimeError, match=r"set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _check_restart_store()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    _check_restart_store()
+
+
+@pytest.fixture
+def fake_torchrun(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, str]]]:
+    """Replace the elastic launcher; record its arguments and environment."""
+    import torch.distributed.run
+
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    for name in (FRESH_STORE_ENV, LAUNCH_ENV, "OMP_NUM_THREADS", "KINETO_LOG_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(
+        torch.distributed.run, "main", lambda args: calls.append((args, dict(os.environ)))
+    )
+    return calls
+
+
+@pytest.mark.parametrize("restarts", [0, 2])
+def test_the_launcher_passes_max_restarts_and_one_launch_id(
+    fake_torchrun: list[tuple[list[str], dict[str, str]]], tmp_path: Path, restarts: int
+) -> None:
+    """--max-restarts reaches the agent, with a fresh store per attempt when restarting."""
+    assert launch(_options(tmp_path, max_restarts=restarts), ["--steps", "8"]) == 0
+    [(args, env)] = fake_torchrun
+    assert f"--max-restarts={restarts}" in args
+    assert args[-3:] == ["train", "--steps", "8"]
+    assert len(env[LAUNCH_ENV]) == 32
+    assert (env.get(FRESH_STORE_ENV) == "1") == (restarts > 0)
+    assert LAUNCH_ENV not in os.environ
+
+
+def test_restarts_used_up_are_named_in_the_stop_message(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_torchrun: list[tuple[list[str], dict[str, str]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def fail(args: list[str]) -> None:
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=-9, error_file="")
+        raise ChildFailedError("shard_cli", {1: failure})
+
+    monkeypatch.setattr(torch.distributed.run, "main", fail)
+    assert launch(_options(tmp_path, max_restarts=1), []) == 1
+    assert (
+        "shard train: stopped: rank 1 was killed by SIGKILL, after 1 restart (--max-restarts); "
+        "every rank was stopped." in capsys.readouterr().err
+    )
