@@ -69,6 +69,13 @@ def _build(recipe: str, *, zeroed: bool = False) -> tuple[nn.Module, torch.optim
         model = FSDP(model, auto_wrap_policy=per_block, use_orig_params=recipe == "orig")
     elif recipe == "root":
         model = FSDP(model, use_orig_params=True)
+    elif recipe == "no_shard":  # original parameters keep their full shapes
+        model = FSDP(
+            model,
+            auto_wrap_policy=per_block,
+            use_orig_params=True,
+            sharding_strategy=ShardingStrategy.NO_SHARD,
+        )
     elif recipe == "hybrid":
         world = dist.get_world_size()
         model = FSDP(
@@ -107,7 +114,7 @@ def _uninterrupted(recipe: str) -> Result:
 # ------------------------------------------------------------------ sharded, through DCP
 
 
-WRAPPER_API = ("flat", "orig", "root", "hybrid")  # the others use the functional API
+WRAPPER_API = ("flat", "orig", "root", "hybrid", "no_shard")  # the others use the functional API
 
 
 def _save_sharded(recipe: str, path: str) -> None:
@@ -158,7 +165,14 @@ def test_sharded_resume_at_the_same_world_size_is_bit_identical(
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [("flat", "root"), ("flat", "fully_shard"), ("fully_shard", "orig"), ("orig", "mixed")],
+    [
+        ("flat", "root"),
+        ("flat", "fully_shard"),
+        ("fully_shard", "orig"),
+        ("orig", "mixed"),
+        ("no_shard", "orig"),
+        ("orig", "no_shard"),
+    ],
 )
 def test_sharded_resume_across_world_size_wrapping_and_front_end(
     rank_pool: RankPool, tmp_path: Path, saved: str, resumed: str

@@ -309,3 +309,40 @@ def test_helpers_are_exported_from_shard_runtime() -> None:
     ):
         assert name in shard_runtime.__all__
         assert getattr(shard_runtime, name) is getattr(shard_wrap, name)
+
+
+@pytest.mark.parametrize("keywords", [False, True])
+def test_module_wrap_policy_is_callable_as_pytorch(keywords: bool) -> None:
+    """ModuleWrapPolicy(...)(module, recurse, nonwrapped_numel) answers every (module, recurse)
+    as PyTorch's, positionally or by keyword; CustomPolicy is callable where PyTorch's is."""
+    ours = shard_wrap.ModuleWrapPolicy({Block})
+    theirs = torch_wrap.ModuleWrapPolicy({Block})
+    for module in (Block(), nn.Linear(2, 2), nn.Sequential()):
+        for recurse in (True, False):
+            if keywords:
+                args: dict[str, Any] = {"module": module, "recurse": recurse, "nonwrapped_numel": 7}
+                assert ours(**args) is theirs(**args)
+            else:
+                assert ours(module, recurse, 7) is theirs(module, recurse, 7)
+    assert callable(shard_wrap.CustomPolicy(bool)) == callable(torch_wrap.CustomPolicy(bool))
+
+
+def _or_policy_structure(impl: str) -> list[str]:
+    """PyTorch's _or_policy over a ModuleWrapPolicy and a policy function of ``impl``."""
+    wrapper, w, kwargs = _api(impl)
+    first_linear = functools.partial(
+        w.lambda_auto_wrap_policy,
+        lambda_fn=lambda m: isinstance(m, nn.Linear) and m.in_features == 3,
+    )
+    policy = functools.partial(
+        torch_wrap._or_policy, policies=[w.ModuleWrapPolicy({Block}), first_linear]
+    )
+    return _wrapped(wrapper(Net(), auto_wrap_policy=policy, **kwargs), wrapper)
+
+
+def test_module_wrap_policy_composes_like_a_policy_function(rank_pool: RankPool) -> None:
+    """A ModuleWrapPolicy inside PyTorch's _or_policy wraps the modules PyTorch wraps."""
+    theirs = rank_pool.run(_or_policy_structure, 2, "torch")[0]
+    ours = rank_pool.run(_or_policy_structure, 2, "shard")[0]
+    assert ours == theirs
+    assert theirs == ["", "inp", "blocks.0", "blocks.1"]

@@ -299,8 +299,8 @@ def _hooks(impl: str, hook_name: str, strategy: str, orig: bool) -> dict[str, An
         loss = nn.functional.mse_loss(model(inputs), target)
         loss.backward()
         losses.append(loss.item())
-        # Flattened: under NO_SHARD PyTorch's original parameters keep their shapes, shard's
-        # are 1-D (the values are compared; the shapes are a known difference).
+        # Flattened: the values are compared here; test_unsplit_original_params_keep_their_shapes
+        # compares the shapes under NO_SHARD.
         grads.append([(n, _listed(p.grad, flat=True)) for n, p in model.named_parameters()])
         optim.step()
         optim.zero_grad()
@@ -389,6 +389,101 @@ def test_pytorch_hooks_are_refused_where_pytorch_refuses_them(rank_pool: RankPoo
     """A PyTorch hook on a hybrid strategy is an AssertionError, a non-callable one a
     ValueError, as PyTorch's wrapper answers."""
     assert rank_pool.run(_hook_refusals, 2) == [["AssertionError", "ValueError"]] * 2
+
+
+# ---------------------------------------------------------------------- unsplit original params
+
+
+def _unsplit(impl: str, strategy: str) -> dict[str, Any]:
+    """use_orig_params=True on a shard axis of one rank: shapes, training, optimizer state."""
+    wrapper, lib, kwargs = _api(impl)
+    rank = dist.get_rank()
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        with warnings.catch_warnings():
+            # PyTorch: NO_SHARD is deprecated; one rank switches to NO_SHARD.
+            warnings.filterwarnings("ignore", ".*`NO_SHARD`")
+            sharding = getattr(lib.ShardingStrategy, strategy)
+            model = wrapper(Net(), sharding_strategy=sharding, use_orig_params=True, **kwargs)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> float:
+        inputs, target = _batch(rank + 2 * seed)
+        loss = nn.functional.mse_loss(model(inputs), target)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.item()
+
+    model, optim = build()
+    out: dict[str, Any] = {"params": _params(model)}
+    inputs, target = _batch(rank)
+    nn.functional.mse_loss(model(inputs), target).backward()
+    out["grads"] = [(n, tuple(p.grad.shape), p.grad.tolist()) for n, p in model.named_parameters()]
+    optim.step()
+    optim.zero_grad()
+    out["losses"] = [step(model, optim, seed) for seed in (1, 2)]
+    out["optim_state"] = [
+        (n, {k: (tuple(v.shape), v.tolist()) for k, v in optim.state[p].items()})
+        for n, p in model.named_parameters()
+    ]
+    with warnings.catch_warnings():
+        # PyTorch's notice that NO_SHARD gives full state dicts.
+        warnings.filterwarnings("ignore", "When using ``NO_SHARD``")
+        osd = wrapper.optim_state_dict(model, optim)
+        state_dict = model.state_dict()
+    out["osd"] = {
+        fqn: {k: (tuple(v.shape), v.tolist()) for k, v in state.items()}
+        for fqn, state in osd["state"].items()
+    }
+    fresh, fresh_optim = build()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "When using ``NO_SHARD``")
+        fresh.load_state_dict(state_dict)
+    fresh_optim.load_state_dict(wrapper.optim_state_dict_to_load(fresh, fresh_optim, osd))
+    out["next_loss"] = [step(model, optim, 3), step(fresh, fresh_optim, 3)]
+    return out
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("NO_SHARD", 2), ("FULL_SHARD", 1)])
+def test_unsplit_original_params_keep_their_shapes(
+    rank_pool: RankPool, strategy: str, world: int
+) -> None:
+    """With use_orig_params=True and a shard axis of one rank (NO_SHARD, or one rank),
+    parameters, gradients and optimizer state keep their full shapes and values as PyTorch's;
+    losses match; the full optimizer state dict round-trips into a fresh model and optimizer."""
+    theirs = rank_pool.run(_unsplit, world, "torch", strategy)
+    ours = rank_pool.run(_unsplit, world, "shard", strategy)
+    assert ours == theirs
+    shapes = {name: shape for name, shape, *_ in theirs[0]["params"]}
+    assert shapes["_fsdp_wrapped_module.inp.weight"] == (4, 3)
+    for out in ours:
+        assert out["next_loss"][0] == out["next_loss"][1]
+
+
+def _mixed_use_orig_params(impl: str) -> str:
+    """An inner wrapper with use_orig_params=True under an outer one with False, then forward."""
+    wrapper, _, kwargs = _api(impl)
+    kwargs.pop("auto_wrap_policy")
+    try:
+        net = Net()
+        net.blocks[0] = wrapper(net.blocks[0], use_orig_params=True, **kwargs)
+        model = wrapper(net, use_orig_params=False, **kwargs)
+        model(torch.zeros(2, 3))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_mixed_use_orig_params_is_a_value_error(rank_pool: RankPool) -> None:
+    """Nested wrappers with different use_orig_params fail with PyTorch's ValueError (PyTorch at
+    the first forward, shard already when the outer wrapper is built); ours names both modules
+    and the fix."""
+    theirs = rank_pool.run(_mixed_use_orig_params, 2, "torch")[0]
+    ours = rank_pool.run(_mixed_use_orig_params, 2, "shard")[0]
+    assert theirs.split(":")[0] == ours.split(":")[0] == "ValueError"
+    for words in ("Net", "Block", "'blocks.0'", "use_orig_params=True", "pass the same"):
+        assert words in ours
 
 
 # ---------------------------------------------------------------------- state-dict configs

@@ -18,7 +18,8 @@ An optimizer over a ``FullyShardedDataParallel`` unit holds either the
 unit's flat shard (``use_orig_params=False``: one parameter, one flat state
 tensor per state name) or each original parameter's 1-D piece of it
 (``use_orig_params=True``; a rank holds state only for the parameters its
-shard touches). Either way a state name of the unit is one flat tensor per
+shard touches; a shard axis of one rank gives the whole parameter in its own
+shape, as PyTorch does). Either way a state name of the unit is one flat tensor per
 rank, laid out like the parameters: it is gathered over the unit's shard
 axis and viewed per parameter (``_flat.py``), and loading cuts this rank's
 flat shard back out of per-parameter full values. Because ranks hold state
@@ -384,15 +385,17 @@ def _agree_on_skeleton(
         if unit.flat_param is not None:
             values = states.get(None)
             if values:
-                shape = _describe(unit.params[0].keys[0], values, unit.shard_numel)
+                shape = _describe(unit.params[0].keys[0], values, (unit.shard_numel,))
                 for param in unit.params:
                     local[param.keys[0]] = shape
             continue
         for info in unit.meta.params:
             values = states.get(info.index)
             if values:
+                held_param = unit.params[info.index].param
+                assert held_param is not None
                 fqn = unit.params[info.index].keys[0]
-                local[fqn] = _describe(fqn, values, info.numel_in_range)
+                local[fqn] = _describe(fqn, values, tuple(held_param.shape))
     merged: _Skeleton = {}
     for theirs in all_gather_objects(local):
         for fqn, names in theirs.items():
@@ -402,15 +405,19 @@ def _agree_on_skeleton(
     return merged
 
 
-def _describe(fqn: str, values: Mapping[str, Any], numel: int) -> dict[str, Any]:
-    """A wrapper parameter's state with flat tensors replaced by their dtype."""
+def _describe(fqn: str, values: Mapping[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
+    """A wrapper parameter's state with flat tensors replaced by their dtype.
+
+    ``shape`` is the shape of what the optimizer holds: the flat shard, a 1-D
+    piece of it, or (``use_orig_params`` on one rank) the whole parameter.
+    """
     out: dict[str, Any] = {}
     for name, value in values.items():
         if not isinstance(value, torch.Tensor):
             out[name] = value
         elif value.dim() == 0:
             out[name] = value.detach().clone()
-        elif value.dim() == 1 and value.numel() == numel:
+        elif tuple(value.shape) == shape:
             out[name] = _FlatState(value.dtype)
         else:
             raise _not_elementwise(fqn, name, tuple(value.shape))
@@ -564,7 +571,10 @@ def _unit_state_in(
             continue
         by_entry[id(entry.param)] = {
             name: (
-                flat[name].narrow(0, info.offset_in_range, info.numel_in_range).clone()
+                flat[name]
+                .narrow(0, info.offset_in_range, info.numel_in_range)
+                .reshape(entry.param.shape)  # 1-D, or the full shape on one rank
+                .clone()
                 if name in flat
                 else _copy(scalars[fqn][name])
             )

@@ -5,12 +5,24 @@ A sharded value is a ``DTensor`` whose placements are ``Shard(dim)`` or
 ``(Replicate(), Shard(0))`` on a 2-D mesh). Its local tensor is what
 ``torch.chunk`` gives this rank along each sharded axis in turn, which is
 what :func:`local_chunk` cuts out of a full tensor without communication.
+Tensor parallelism under ``fully_shard`` adds ``_StridedShard`` placements
+(the data-parallel split of a dim that "tp" already split): their rows are
+interleaved, so that piece is gathered by index (see [Note: strided pieces]).
+
+[Note: strided pieces]
+A placement that is neither ``Shard`` nor ``Replicate`` is cut by DTensor's
+own rule, never a copy of it: per tensor dim, ``distribute_tensor`` (local
+splitting only, ``src_data_rank=None``) of the dim's index range under the
+placements that split that dim says which indices this rank holds, and
+``index_select`` takes them. Dims are split independently, so the index
+ranges are 1-D and cheap whatever the tensor's size.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from shard_checkpoint._errors import StateDictError
 from shard_core import contiguous_stride, dim0_chunk_range
@@ -29,6 +41,8 @@ def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
             f"{key!r}: this rank is not part of the mesh of its DTensor ({like.device_mesh}); "
             "load state dicts on the ranks of the model's mesh"
         )
+    if any(type(p) not in (Shard, Replicate) for p in like.placements):
+        return _strided_chunk(full, like, key=key)
     piece = full
     for axis, placement in enumerate(like.placements):
         if type(placement) is Shard:
@@ -41,6 +55,36 @@ def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
                 "only Shard(dim) and Replicate() placements can be loaded from full tensors"
             )
     return piece
+
+
+def _strided_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
+    """:func:`local_chunk` for any placements but Partial (a copy; see [Note: strided pieces])."""
+    if any(isinstance(p, Partial) for p in like.placements):
+        raise StateDictError(
+            f"{key!r}: cannot cut a full tensor into a DTensor placed {like.placements}; a "
+            "Partial placement holds unreduced values: redistribute the parameter to Shard or "
+            "Replicate before loading"
+        )
+    piece = full
+    for dim in range(full.dim()):
+        per_axis: list[Placement] = []
+        for placement in like.placements:
+            if isinstance(placement, _StridedShard) and _dim_of(placement, full) == dim:
+                per_axis.append(_StridedShard(0, split_factor=placement.split_factor))
+            elif isinstance(placement, Shard) and _dim_of(placement, full) == dim:
+                per_axis.append(Shard(0))
+            else:
+                per_axis.append(Replicate())
+        if all(isinstance(p, Replicate) for p in per_axis):
+            continue
+        indices = torch.arange(full.shape[dim])
+        held = distribute_tensor(indices, like.device_mesh, per_axis, src_data_rank=None)
+        piece = piece.index_select(dim, held.to_local().to(piece.device))
+    return piece
+
+
+def _dim_of(placement: Shard | _StridedShard, full: torch.Tensor) -> int:
+    return placement.dim if placement.dim >= 0 else full.dim() + placement.dim
 
 
 def shard_like(full: torch.Tensor, like: DTensor, *, key: str, copy: bool = False) -> DTensor:

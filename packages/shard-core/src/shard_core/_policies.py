@@ -54,6 +54,16 @@ class ModuleWrapPolicy:
     def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> WrapDecision:
         return isinstance(module, self._module_classes)
 
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        """PyTorch's functional form, ``policy(module, recurse, nonwrapped_numel)``.
+
+        PyTorch's ``ModuleWrapPolicy`` can stand wherever a policy function
+        does (inside ``_or_policy``, a user's own combinator), so ours can
+        too: always descend, wrap instances of ``module_classes``; the
+        parameter count is ignored.
+        """
+        return True if recurse else isinstance(module, self._module_classes)
+
     def __repr__(self) -> str:
         names = ", ".join(cls.__name__ for cls in self._module_classes)
         return f"ModuleWrapPolicy({{{names}}})"

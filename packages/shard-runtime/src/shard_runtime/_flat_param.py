@@ -23,7 +23,17 @@ Two faces, as in PyTorch's wrapper:
   optimizer holds them). Between steps each one's ``.data`` is its 1-D piece
   of the local shard (possibly empty) and its ``.grad`` the matching piece of
   the reduced gradient; while the unit computes, the modules see views of the
-  flat unsharded buffer instead.
+  flat unsharded buffer instead. On a shard axis of one rank (NO_SHARD,
+  or a world of one) each piece is the whole parameter and keeps its full
+  shape (see [Note: Unsharded original shapes]).
+
+[Note: Unsharded original shapes]
+PyTorch's wrapper gives ``use_orig_params=True`` parameters their original
+shapes whenever the flat buffer is not split (NO_SHARD, or one rank), and
+their gradients too; user code (weight tying checks, custom init, optimizers
+with shape-dependent state) relies on it. The piece is then a view of the
+whole parameter's slice of the shard, so nothing else changes: the shard
+stays the storage, and code that walks the shard reshapes pieces by numel.
 
 [Note: Writes under autograd's eye]
 The all-gather writes into the flat unsharded parameter, whose views autograd
@@ -309,6 +319,7 @@ class FlatParamGroup:
             if not spec.param.requires_grad:
                 continue
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
+            piece = piece.view(spec.param.shape)  # 1-D, or the full shape on one rank
             if spec.param.grad is None:
                 spec.param.grad = piece.clone()
             else:
@@ -328,6 +339,10 @@ class FlatParamGroup:
             flat.narrow(0, offset, spec.numel).view(spec.shape)
             for spec, offset in zip(self.layout.params, self.layout.offsets, strict=True)
         ]
+
+    def _orig_shape(self, index: int) -> torch.Size:
+        assert self.layout is not None
+        return torch.Size(self.layout.params[index].shape)
 
     def _shard_specs(self) -> list[FlatParamSpec]:
         return [self.specs[info.index] for info in self.meta.params]
@@ -356,7 +371,9 @@ class FlatParamGroup:
         )
         empty = self.shard.new_empty(0)
         for index, spec in enumerate(self.specs):
-            spec.param.data = pieces.get(index, empty)
+            piece = pieces.get(index, empty)
+            # See [Note: Unsharded original shapes]
+            spec.param.data = piece.view(self._orig_shape(index)) if self.world == 1 else piece
             for owner in spec.owners:
                 owner.module._parameters[owner.name] = spec.param
 

@@ -44,7 +44,8 @@ class FlatUnitParam:
         shape: its full shape.
         param: the ``nn.Parameter`` an optimizer holds for it with
             ``use_orig_params=True`` (its data is this rank's 1-D piece of the
-            shard, possibly empty); ``None`` with ``use_orig_params=False``.
+            shard, possibly empty, or the whole parameter in its own shape on
+            a shard axis of one rank); ``None`` with ``use_orig_params=False``.
     """
 
     keys: tuple[str, ...]

@@ -210,6 +210,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
         shared = self._shared
         mesh = shared.mesh
         module = self._fsdp_wrapped_module
+        _check_same_use_orig_params(self, module)
         specs = _collect_specs(module, shared.ignored_modules, shared.ignored_params)
         _check_frozen_mix(specs, self.use_orig_params, type(module).__name__)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
@@ -745,6 +746,29 @@ def _collect_specs(
     return [FlatParamSpec(fqn, param, owners) for fqn, param, owners in found.values()]
 
 
+def _check_same_use_orig_params(outer: FullyShardedDataParallel, module: nn.Module) -> None:
+    """One ``use_orig_params`` per model, as PyTorch requires (a ``ValueError`` there too).
+
+    The optimizer and state-dict code treat a whole model's units one way:
+    flat parameters or the originals. PyTorch finds a mix at the root's lazy
+    init; it is found here when the outer wrapper is built, before any
+    parameter moves.
+    """
+    for name, inner in module.named_modules():
+        if (
+            isinstance(inner, FullyShardedDataParallel)
+            and inner.use_orig_params != outer.use_orig_params
+        ):
+            raise ValueError(
+                f"FullyShardedDataParallel: use_orig_params must be the same for every wrapper "
+                f"of a model; the wrapper of {type(module).__name__} has "
+                f"use_orig_params={outer.use_orig_params} but the one of "
+                f"{type(inner.module).__name__} ({clean_fqn(name)!r}) has "
+                f"use_orig_params={inner.use_orig_params}; pass the same use_orig_params to "
+                "every FullyShardedDataParallel(...) call"
+            )
+
+
 def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: str) -> None:
     frozen = [s.fqn for s in specs if not s.param.requires_grad]
     trainable = [s.fqn for s in specs if s.param.requires_grad]
@@ -1028,7 +1052,7 @@ def _summon_group(
         for spec, info in zip(group._shard_specs(), group.meta.params, strict=True):
             if spec.param.grad is not None:
                 local_grad.narrow(0, info.offset_in_range, info.numel_in_range).copy_(
-                    spec.param.grad
+                    spec.param.grad.reshape(-1)
                 )
         full_grad = torch.empty_like(full)
         all_gather(
