@@ -130,8 +130,9 @@ def test_failed_save_leaves_the_previous_checkpoint_loadable(
         assert re.fullmatch(
             rf"saving checkpoint {re.escape(str(path))} failed on rank {fail_rank}: "
             rf"OSError: disk full \(simulated in {fail_step}\); the previous checkpoint at "
-            rf"{re.escape(str(path))} \(if any\) is untouched; the files written are left in "
-            rf"{re.escape(str(path))}\.incomplete-[0-9a-f]{{12}}",
+            rf"{re.escape(str(path))} \(if any\) is untouched and loads as before; the files "
+            rf"written are left in {re.escape(str(path))}\.incomplete-[0-9a-f]{{12}}; check the "
+            r"file system at that path \(the error above\), or save elsewhere",
             result["error"],
         ), result["error"]
         assert [re.sub("[0-9a-f]{12}$", "*", n) for n in result["listing"]] == [

@@ -78,7 +78,9 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     assert re.fullmatch(
         rf"saving checkpoint {re.escape(str(path))} failed on rank 0: OSError: disk full "
         rf"\(simulated\); the previous checkpoint at {re.escape(str(path))} \(if any\) is "
-        rf"untouched; the files written are left in {re.escape(str(path))}\.incomplete-\w{{12}}",
+        rf"untouched and loads as before; the files written are left in "
+        rf"{re.escape(str(path))}\.incomplete-\w{{12}}; check the file system at that path "
+        r"\(the error above\), or save elsewhere",
         str(caught.value),
     ), str(caught.value)
     state = _blank()

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import logging
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -111,12 +114,7 @@ def save(
             )
     except (CheckpointException, dist.DistError) as exc:
         # DistError: a rank died or fell out of step and a collective timed out.
-        raise _failure(
-            exc,
-            f"saving checkpoint {path} failed",
-            f"the previous checkpoint at {path} (if any) is untouched; the files written "
-            f"are left in {staging}",
-        ) from exc
+        raise _save_failure(exc, path, Path(staging), process_group) from exc
     outcome: str | None = None
     if rank(process_group) == 0:
         try:
@@ -227,7 +225,10 @@ def _prepare_save(path: Path) -> str | CheckpointError:
     try:
         staging.mkdir(parents=True)
     except OSError as exc:
-        return CheckpointError(f"cannot save a checkpoint at {path}: {exc}")
+        return CheckpointError(
+            f"cannot save a checkpoint at {path}: creating {staging.name} next to it failed "
+            f"({exc}); {_os_error_fix(exc, path)}"
+        )
     return str(staging)
 
 
@@ -262,7 +263,7 @@ def _fsync_directory(directory: Path) -> None:
 
 def _resolve_or_error(path: Path) -> str | CheckpointError:
     if (path / METADATA_FILE).is_file():
-        return str(path)
+        return _readable_metadata(path)
     old = path.with_name(path.name + OLD_SUFFIX)
     if not path.exists() and (old / METADATA_FILE).is_file():
         _log.warning(
@@ -287,6 +288,25 @@ def _resolve_or_error(path: Path) -> str | CheckpointError:
         f"{path} is not a complete checkpoint: it has no {METADATA_FILE}, which a save writes "
         f"last{note}; load a checkpoint written by save()"
     )
+
+
+def _readable_metadata(path: Path) -> str | CheckpointError:
+    """``path``, or the error to raise when its ``.metadata`` cannot be decoded.
+
+    DCP would otherwise log two tracebacks and fail with an assertion about a
+    per-rank metadata file that never existed.
+    """
+    try:
+        with quiet_single_process():
+            FileSystemReader(path).read_metadata()
+    except Exception as exc:  # any decoding failure means a damaged file
+        return CheckpointError(
+            f"checkpoint {path} is damaged: its {METADATA_FILE} cannot be read "
+            f"({type(exc).__name__}: {_first_line(exc)}); the file was cut short or overwritten "
+            "after the save completed. Load an earlier checkpoint (or the one at "
+            f"{path.name}{OLD_SUFFIX} if a save left it), or save this one again"
+        )
+    return str(path)
 
 
 class _CheckingLoadPlanner(DefaultLoadPlanner):
@@ -381,6 +401,59 @@ def _data_files(metadata: Metadata) -> dict[str, list[tuple[str, int]]]:
 # ------------------------------------------------------------------ errors
 
 
+def _save_failure(
+    exc: CheckpointException | dist.DistError,
+    path: Path,
+    staging: Path,
+    process_group: dist.ProcessGroup | None,
+) -> Exception:
+    """The error of a failed save: what failed, how to fix it, and that ``path`` is intact.
+
+    A full disk is made no worse: the staging directory is removed (every
+    rank is past DCP's last collective when the failure is raised, so no rank
+    writes there any more). Otherwise it stays, for the post-mortem.
+    """
+    cause = _first_cause(exc)
+    previous = f"the previous checkpoint at {path} (if any) is untouched and loads as before"
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        if rank(process_group) == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        kept = f"the partial files were removed ({staging.name})"
+    else:
+        kept = f"the files written are left in {staging}"
+    fix = f"; {_os_error_fix(cause, path)}" if isinstance(cause, OSError) else ""
+    return _failure(exc, f"saving checkpoint {path} failed", f"{previous}; {kept}{fix}")
+
+
+def _first_cause(exc: CheckpointException | dist.DistError) -> BaseException:
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = exc.failures[min(exc.failures)][0]
+        if isinstance(first, BaseException):
+            return first
+    return exc
+
+
+def _os_error_fix(exc: OSError, path: Path) -> str:
+    """What to do about an ``OSError`` met while writing a checkpoint at ``path``."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            f"the disk holding {path.parent} is full: free space there (old checkpoints, "
+            "leftover *.incomplete-* directories) or pass a checkpoint_id on another disk"
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (
+            f"this process cannot write to {path.parent}: make it writable for the user "
+            "running the job (on every node) or pass a checkpoint_id in a writable directory"
+        )
+    if exc.errno in (errno.ENOTDIR, errno.ENOENT):
+        return f"a component of {path.parent} is not a directory: pass a directory path"
+    return "check the file system at that path (the error above), or save elsewhere"
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().split("\n", 1)[0]
+
+
 def _failure(exc: CheckpointException | dist.DistError, what: str, after: str) -> Exception:
     """One exception for a failed save or load: DCP reports the same failures on every rank."""
     tail = f"; {after}" if after else ""
@@ -392,6 +465,14 @@ def _failure(exc: CheckpointException | dist.DistError, what: str, after: str) -
         return type(first)(str(first))
     ranks = ", ".join(str(r) for r in sorted(failures))
     plural = "s" if len(failures) > 1 else ""
+    if isinstance(first, pickle.UnpicklingError | EOFError) or "PytorchStreamReader" in str(first):
+        # A data file that no longer decodes; torch.load's own advice (weights_only)
+        # would mislead here.
+        return CheckpointError(
+            f"{what} on rank{plural} {ranks}: a data file of the checkpoint is damaged "
+            f"({type(first).__name__} while decoding it); it was overwritten or cut short "
+            "after the save completed. Load an earlier checkpoint, or save this one again"
+        )
     return CheckpointError(f"{what} on rank{plural} {ranks}: {type(first).__name__}: {first}{tail}")
 
 
