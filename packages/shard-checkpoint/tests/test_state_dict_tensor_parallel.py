@@ -19,32 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from shard_testing import RankPool
-
-
-class Block(nn.Module):
-    """An MLP block: ``up`` split column-wise over tp, ``down`` row-wise."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Model(nn.Module):
-    """Two tp blocks (the second uneven over dp: 5 tp-local rows) and a plain head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(8, 12), Block(8, 10)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+from shard_testing.compat import TPModel
 
 
 def _load_full_into_tp(impl: str) -> dict[str, Any]:
@@ -63,7 +38,7 @@ def _load_full_into_tp(impl: str) -> dict[str, Any]:
 
     def build(seed: int) -> nn.Module:
         torch.manual_seed(seed)
-        model = Model()
+        model = TPModel()
         for block in model.blocks:
             plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
             parallelize_module(block, mesh["tp"], plan)  # type: ignore[arg-type]

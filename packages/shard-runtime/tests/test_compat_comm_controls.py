@@ -38,14 +38,18 @@ class _Net(nn.Module):
         return self.l2(torch.tanh(self.l1(h))), self.side(h)
 
 
-class _CountingAllGather:
-    """A custom all-gather that counts its calls and delegates to torch.distributed."""
+class _Counting:
+    """A custom collective's call counter and plain ``allocate``."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _CountingAllGather(_Counting):
+    """A custom all-gather that counts its calls and delegates to torch.distributed."""
 
     def __call__(
         self,
@@ -58,14 +62,8 @@ class _CountingAllGather:
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-class _CountingReduceScatter:
+class _CountingReduceScatter(_Counting):
     """A custom reduce-scatter that counts its calls and delegates to torch.distributed."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

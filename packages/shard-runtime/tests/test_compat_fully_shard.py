@@ -19,25 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import shard_runtime
 from shard_testing import RankPool
+from shard_testing.compat import cpu_mesh as _mesh
+from shard_testing.compat import fsdp_namespace as _api
 
 IMPLS = ("torch", "shard")
-
-
-def _api(impl: str) -> ModuleType:
-    if impl == "torch":
-        import torch.distributed.fsdp as torch_fsdp
-
-        return torch_fsdp
-    return shard_runtime
-
-
-def _mesh() -> Any:
-    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _builtin_type(exc: BaseException) -> str:

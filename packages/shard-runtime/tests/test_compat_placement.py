@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_testing import RankPool
+from shard_testing.compat import error_type as _error_type
 
 
 def _api(impl: str) -> tuple[Any, Any]:
@@ -20,14 +21,6 @@ def _api(impl: str) -> tuple[Any, Any]:
     else:
         from shard_runtime import DataParallelMeshDims, fully_shard
     return fully_shard, DataParallelMeshDims
-
-
-def _error_type(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return type(exc).__name__
-    return "no error"
 
 
 def _weights_on(dim: int) -> Callable[[nn.Parameter], Shard | None]:

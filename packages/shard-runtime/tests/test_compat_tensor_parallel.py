@@ -16,34 +16,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from shard_testing import RankPool
+from shard_testing.compat import TPModel as Model
 
 STEPS = 3
-
-
-class Block(nn.Module):
-    """An MLP block: ``up`` is split column-wise over tp, ``down`` row-wise."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Model(nn.Module):
-    """Two tp blocks (the second uneven over dp: 10 hidden rows, 5 per tp rank) and a plain head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(8, 12), Block(8, 10)])
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _placements(value: torch.Tensor) -> list[str]:

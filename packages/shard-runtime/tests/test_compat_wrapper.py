@@ -22,6 +22,7 @@ from torch import nn
 
 import shard_runtime
 from shard_testing import RankPool
+from shard_testing.compat import error_type as _error
 
 
 class Block(nn.Module):
@@ -58,14 +59,6 @@ def _api(impl: str) -> tuple[Any, Any, dict[str, Any]]:
         return torch_fsdp.FullyShardedDataParallel, torch_fsdp, kwargs
     kwargs = {"auto_wrap_policy": shard_runtime.ModuleWrapPolicy({Block})}
     return shard_runtime.FullyShardedDataParallel, shard_runtime, kwargs
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return type(exc).__name__
-    return "no error"
 
 
 def _params(model: nn.Module, values: bool = True) -> list[Any]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -22,19 +20,8 @@ from shard_runtime import (
     register_fsdp_forward_method,
 )
 from shard_testing import RankPool
-
-
-def _error(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
-def _mesh() -> Any:
-    return init_device_mesh("cpu", (dist.get_world_size(),))
-
+from shard_testing.compat import cpu_mesh as _mesh
+from shard_testing.compat import error as _error
 
 # ---------------------------------------------------------------------- surface
 

@@ -22,6 +22,7 @@ from shard_runtime import FSDPModule, fully_shard, share_comm_ctx
 from shard_runtime._comm import CommContext, InFlight
 from shard_runtime._state import get_state
 from shard_testing import RankPool
+from shard_testing.compat import error as _error
 
 Grads = dict[str, list[float]]
 
@@ -94,14 +95,6 @@ def _close(got: dict[str, Any], want: Grads, scale: dict[str, float] | None = No
         torch.testing.assert_close(
             torch.tensor(got[name]), expected, msg=lambda m, n=name: f"{n}: {m}"
         )
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 # ---------------------------------------------------------------------- divide factors

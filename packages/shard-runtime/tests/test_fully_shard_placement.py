@@ -13,14 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_runtime import DataParallelMeshDims, fully_shard
 from shard_testing import RankPool
-
-
-def _error(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+from shard_testing.compat import error as _error
 
 
 def _dim1_training(reshard_after_forward: bool | int) -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,19 +28,12 @@ from shard_runtime import (
     fully_shard,
 )
 from shard_testing import RankPool
+from shard_testing.compat import error as _error
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches
 
 FSDP = FullyShardedDataParallel
 PER_BLOCK = ModuleWrapPolicy({ResidualBlock})
 PARAM_NAMES = [name for name, _ in ToyNet().named_parameters()]
-
-
-def _error(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _owner_and_leaf(model: nn.Module, name: str) -> tuple[nn.Module, str]:

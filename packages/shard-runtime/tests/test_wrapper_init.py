@@ -19,17 +19,10 @@ from shard_runtime._wrapper_init import (
     sync_module_states,
 )
 from shard_testing import RankPool
+from shard_testing.compat import error as _error
 
 CPU = torch.device("cpu")
 NO_ACCELERATOR = torch.accelerator.current_accelerator() is None
-
-
-def _error(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def _model() -> nn.Sequential:

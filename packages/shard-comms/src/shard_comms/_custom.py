@@ -47,14 +47,18 @@ __all__ = [
 ]
 
 
-class CustomAllGather(Protocol):
-    """A user's all-gather (PyTorch's ``AllGather`` shape): where buffers live, and the call."""
+class _Allocates(Protocol):
+    """Where a user's collective wants its buffers: the method both collectives share."""
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         """A tensor of ``size`` for the collective (the runtime asks for 1-D sizes)."""
         ...
+
+
+class CustomAllGather(_Allocates, Protocol):
+    """A user's all-gather (PyTorch's ``AllGather`` shape): where buffers live, and the call."""
 
     def __call__(
         self,
@@ -67,14 +71,8 @@ class CustomAllGather(Protocol):
         ...
 
 
-class CustomReduceScatter(Protocol):
-    """A user's reduce-scatter (PyTorch's ``ReduceScatter`` shape)."""
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A tensor of ``size`` for the collective (the runtime asks for 1-D sizes)."""
-        ...
+class CustomReduceScatter(_Allocates, Protocol):
+    """A user's reduce-scatter (PyTorch's ``ReduceScatter`` shape): buffers, and the call."""
 
     def __call__(
         self,

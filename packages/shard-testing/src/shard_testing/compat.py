@@ -1,0 +1,115 @@
+"""Helpers for tests that run the same user code under PyTorch and under shard.
+
+A compat test runs one rank function twice, with ``impl="torch"`` and
+``impl="shard"``, and compares the plain values it returns (names, shapes,
+losses, exception types). The helpers here are the pieces every such test
+(and many single-library tests) needs: outcomes of a call as strings, a 1-D
+CPU mesh over the pool's ranks, the library namespace that ``impl`` names,
+and a tensor-parallel toy model.
+
+Nothing here imports ``torch.distributed.fsdp`` or ``shard_runtime`` when
+the module is imported: :func:`fsdp_namespace` imports the one it is asked
+for, so that a test of shard alone never loads PyTorch's FSDP, and
+shard-testing keeps depending on shard-core only.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "Impl",
+    "TPBlock",
+    "TPModel",
+    "cpu_mesh",
+    "error",
+    "error_type",
+    "fsdp_namespace",
+]
+
+Impl = Literal["torch", "shard"]
+"""Which library a compat rank function runs: PyTorch's or shard's."""
+
+_NAMESPACES: dict[str, str] = {"torch": "torch.distributed.fsdp", "shard": "shard_runtime"}
+
+
+def error(fn: Callable[[], object]) -> str:
+    """``"<Type>: <message>"`` of what ``fn()`` raises, or ``"no error"``.
+
+    Plain strings pickle across ranks and compare in one ``==``; tests that
+    check a message's wording use this, tests that compare with PyTorch
+    (whose wording differs) use :func:`error_type`.
+    """
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def error_type(fn: Callable[[], object]) -> str:
+    """The class name of what ``fn()`` raises (``"ValueError"``), or ``"no error"``."""
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__
+    return "no error"
+
+
+def cpu_mesh(name: str | None = None) -> DeviceMesh:
+    """A 1-D CPU mesh over every rank of the default process group, axis ``name`` if given."""
+    names = (name,) if name is not None else None
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=names)
+
+
+def fsdp_namespace(impl: Impl) -> ModuleType:
+    """``torch.distributed.fsdp`` or ``shard_runtime``: where ``impl`` keeps its FSDP names.
+
+    Both export ``fully_shard``, ``FullyShardedDataParallel``,
+    ``ShardingStrategy``, ``MixedPrecisionPolicy`` ... under the same names,
+    so a rank function reads ``fsdp_namespace(impl).fully_shard``. Imported
+    on call (see the module doc); ``"shard"`` needs shard-runtime installed.
+    """
+    if impl not in _NAMESPACES:
+        raise ValueError(f"impl must be 'torch' or 'shard', got {impl!r}")
+    return importlib.import_module(_NAMESPACES[impl])
+
+
+class TPBlock(nn.Module):
+    """An MLP block for tensor parallelism: ``up`` splits column-wise, ``down`` row-wise."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(torch.relu(self.up(x)))
+        return out
+
+
+class TPModel(nn.Module):
+    """Two :class:`TPBlock` (8 -> 12 and 8 -> 10 hidden) and a plain 8 -> 3 head.
+
+    The second block's 10 hidden rows are 5 per rank on a "tp" axis of 2,
+    which a "dp" axis of 2 then splits unevenly (3 + 2).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TPBlock(8, 12), TPBlock(8, 10)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(x)
+        return out
