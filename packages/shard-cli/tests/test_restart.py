@@ -135,6 +135,7 @@ def test_the_launcher_passes_max_restarts_and_one_launch_id(
     assert len(env[LAUNCH_ENV]) == 32
     assert (env.get(FRESH_STORE_ENV) == "1") == (restarts > 0)
     assert LAUNCH_ENV not in os.environ
+    assert FRESH_STORE_ENV not in os.environ
 
 
 def test_restarts_used_up_are_named_in_the_stop_message(

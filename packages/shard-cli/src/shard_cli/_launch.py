@@ -119,8 +119,6 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
     cores = os.cpu_count() or 1
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // options.nproc)))
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    if options.max_restarts:
-        os.environ.setdefault(FRESH_STORE_ENV, "1")
     args = [
         "--standalone",
         f"--nproc-per-node={options.nproc}",
@@ -131,8 +129,11 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
         "train",
         *argv,
     ]
-    previous = os.environ.get(LAUNCH_ENV)
+    # The ranks inherit these; restored afterwards for callers that launch in-process.
+    previous = {name: os.environ.get(name) for name in (LAUNCH_ENV, FRESH_STORE_ENV)}
     os.environ[LAUNCH_ENV] = uuid.uuid4().hex
+    if options.max_restarts:
+        os.environ.setdefault(FRESH_STORE_ENV, "1")
     try:
         torchrun(args)
     except ChildFailedError as error:
@@ -148,8 +149,9 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
         print("\n" + stopped_message(options, cause), file=sys.stderr, flush=True)
         return INTERRUPTED
     finally:
-        if previous is None:
-            os.environ.pop(LAUNCH_ENV, None)
-        else:
-            os.environ[LAUNCH_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
