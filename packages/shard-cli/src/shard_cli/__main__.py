@@ -91,6 +91,7 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def build_parser() -> argparse.ArgumentParser:
     """The ``shard`` command line."""
     from shard_cli._ckpt_cli import add_ckpt_parser
+    from shard_cli._debug_cli import add_debug_parser
     from shard_cli._plan_cli import add_plan_parser
 
     parser = argparse.ArgumentParser(
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     add_plan_parser(sub)
     add_ckpt_parser(sub)
+    add_debug_parser(sub)
     return parser
 
 

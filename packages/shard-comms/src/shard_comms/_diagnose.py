@@ -240,6 +240,8 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
     reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
     payload: dict[str, Any] = {"rank": rank, "time": time.time(), "reason": reason}
     payload.update(recorder.summary())
+    failed = entry.as_dict() if entry is not None else None
+    payload["failed"] = failed
     store = _default_store() if initialized else None
     wait = 0.0 if _reported else _wait_seconds()
     _reported = True
@@ -247,8 +249,7 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
     dumped = _dump(rank, payload)
 
     lines = [
-        f"collective failed on rank {rank} of {world}: {describe_entry(payload['issued'])} "
-        f"raised {reason}"
+        f"collective failed on rank {rank} of {world}: {describe_entry(failed)} raised {reason}"
     ]
     if not recorder.enabled:
         lines.append("the flight recorder is off (SHARD_FLIGHT_RECORDER=0): no record to compare")
@@ -314,7 +315,7 @@ def format_flight_table(records: Mapping[int, Mapping[str, Any]], last: int = 20
         rank: {"recent": list(records[rank].get("entries", records[rank].get("recent", [])))}
         for rank in ranks
     }
-    width = 44
+    width = 50
     for group, per_rank in sorted(by_group.items()):
         seqs = sorted({seq for entries in per_rank.values() for seq in entries})[-last:]
         out.append("")
@@ -329,8 +330,7 @@ def format_flight_table(records: Mapping[int, Mapping[str, Any]], last: int = 20
                     cells.append("-".ljust(width))
                     continue
                 sigs.add(_signature(entry))
-                op = str(entry["op"]).replace("_", "-")
-                cell = f"{op} {entry['label'] or '-'} s{entry['step']} {entry['state']}"
+                cell = f"{entry['phase']} {entry['label'] or '-'} s{entry['step']} {entry['state']}"
                 cells.append(cell[: width - 2].ljust(width))
             mark = "!" if len(sigs) > 1 else " "
             out.append(

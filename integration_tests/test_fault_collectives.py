@@ -1,0 +1,269 @@
+"""A rank that diverges, stalls or dies ends every rank with a named CollectiveError.
+
+Each scenario runs two gloo ranks as plain subprocesses (this file, run as a
+script) training a 4-block model under ``fully_shard`` with a short
+process-group timeout. The test process hosts the c10d store, as torchrun's
+agent does, so it outlives any rank. At step 2 rank 1 misbehaves: skips a
+block's forward, skips a block's backward, sleeps past the timeout, or is
+killed with SIGKILL in forward, backward or the optimizer step. Every rank
+must then exit with ``CollectiveError`` (the backend's error as its cause)
+whose message names the ranks, units, phases, steps and sequence numbers,
+within the timeout plus a few seconds. All scenarios run at once, so the
+module costs one start-up and one timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TIMEOUT_S = 6.0  # the process group's collective timeout
+WAIT_S = 2.0  # SHARD_FLIGHT_WAIT: how long a failing rank waits for its peers' records
+SLEEP_S = TIMEOUT_S + 4.0
+BOUND_S = 120.0  # start-up of every rank on a shared 2-core machine, plus the failure
+
+SCENARIOS = (
+    "diverge_forward",
+    "diverge_backward",
+    "sleep",
+    "kill_forward",
+    "kill_backward",
+    "kill_optimizer",
+)
+FAIL_STEP = 2
+STEPS = 5
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def _rank_main(scenario: str, rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch._C._distributed_c10d import TCPStore
+
+    from shard_runtime import fully_shard
+
+    torch.set_num_threads(1)
+
+    store = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S)
+    )
+    torch.manual_seed(0)
+    width = 32
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+            odd = rank == 1 and step == FAIL_STEP
+            for index, layer in enumerate(self.layers):
+                if odd and scenario == "diverge_forward" and index == 1:
+                    continue  # rank 1 skips layers.1
+                if odd and scenario == "kill_forward" and index == 2:
+                    die()
+                x = torch.tanh(layer(x))
+                if odd and scenario == "diverge_backward" and index == 1:
+                    x = x.detach()  # rank 1 runs no backward for layers.0 and layers.1
+                if odd and scenario == "kill_backward" and index == 2:
+                    x.register_hook(lambda grad: die())  # type: ignore[no-untyped-call]
+            return x
+
+    model = Net()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = time.monotonic()
+    result: dict[str, Any]
+    try:
+        for step in range(STEPS):
+            if rank == 1 and step == FAIL_STEP and scenario == "sleep":
+                time.sleep(SLEEP_S)
+            loss = model(torch.randn(4, width), step).sum()
+            loss.backward()
+            if rank == 1 and step == FAIL_STEP and scenario == "kill_optimizer":
+                die()
+            optim.step()
+            optim.zero_grad()
+        result = {"error": None}
+    except Exception as exc:
+        result = {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
+        }
+    result["elapsed"] = time.monotonic() - start
+    Path(out).write_text(json.dumps(result))
+    os._exit(0)  # See the gloo note: no teardown that could abort
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+# ----------------------------------------------------------------------------- test side
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Run every scenario's two ranks at once; each rank's result, or how it ended."""
+    from torch._C._distributed_c10d import TCPStore
+
+    root = tmp_path_factory.mktemp("faults")
+    env = {
+        **os.environ,
+        "SHARD_FLIGHT_WAIT": str(WAIT_S),
+        "OMP_NUM_THREADS": "1",
+        "SHARD_FLIGHT_RECORDER_DUMP": "",
+    }
+    stores = []
+    procs: dict[str, list[subprocess.Popen[bytes]]] = {}
+    for scenario in SCENARIOS:
+        store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+        stores.append(store)
+        scenario_env = dict(env)
+        if scenario == "diverge_forward":
+            scenario_env["SHARD_FLIGHT_RECORDER_DUMP"] = str(root / "dump")
+        procs[scenario] = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    scenario,
+                    str(rank),
+                    str(store.port),
+                    str(root / f"{scenario}.{rank}.json"),
+                ],
+                env=scenario_env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for rank in range(2)
+        ]
+    deadline = time.monotonic() + BOUND_S
+    results: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for scenario, ranks in procs.items():
+            results[scenario] = []
+            for rank, proc in enumerate(ranks):
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
+                    results[scenario].append({"hung": True})
+                    continue
+                path = root / f"{scenario}.{rank}.json"
+                if path.exists():
+                    results[scenario].append(json.loads(path.read_text()))
+                else:
+                    err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+                    results[scenario].append({"exit": code, "stderr": err})
+    finally:
+        for ranks in procs.values():
+            for proc in ranks:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                if proc.stderr is not None:
+                    proc.stderr.close()
+    results["_dump"] = [{"dir": str(root / "dump")}]
+    return results
+
+
+def _failed(result: dict[str, Any]) -> str:
+    assert result.get("error") == "CollectiveError", result
+    assert result["cause"] is not None, "the backend's exception is kept as __cause__"
+    assert result["elapsed"] < TIMEOUT_S + WAIT_S + 8.0, result["elapsed"]
+    return str(result["message"])
+
+
+def test_diverged_forward_names_both_units_on_every_rank(
+    outcomes: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Rank 1 skipping layers.1 at step 2: both ranks name layers.2 against layers.1."""
+    for rank, result in enumerate(outcomes["diverge_forward"]):
+        message = _failed(result)
+        assert message.startswith(f"collective failed on rank {rank} of 2"), message
+        assert f"rank {rank} (this rank): last issued" in message
+        assert f"rank {1 - rank}: last issued" in message
+        assert (
+            "first difference: rank 1 issued the all-gather of `layers.2` (forward all-gather, "
+            "step 2, seq " in message
+        ), message
+        assert "where rank 0 issued `layers.1`" in message
+        assert "did not answer" not in message
+
+
+def test_diverged_backward_names_the_backward_collective(
+    outcomes: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Rank 1 skipping layers.0-1's backward at step 2: the difference is in backward, step 2."""
+    for rank, result in enumerate(outcomes["diverge_backward"]):
+        message = _failed(result)
+        assert f"rank {rank} (this rank)" in message
+        line = next(x for x in message.splitlines() if "first difference" in x)
+        assert "step 2" in line, line
+        assert "rank 0 issued" in line, line
+        assert "backward all-gather" in line or "reduce-scatter" in line, line
+
+
+def test_a_sleeping_rank_is_named_as_not_answering(
+    outcomes: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Rank 1 asleep past the timeout: rank 0 names it; rank 1 fails when it wakes."""
+    first, second = outcomes["sleep"]
+    message = _failed(first)
+    assert "did not answer: rank 1" in message, message
+    assert "(forward all-gather, step 2" in message
+    assert second.get("error") == "CollectiveError", second
+    assert "rank 0: last issued" in second["message"], second["message"]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+def test_a_killed_rank_ends_the_other_with_its_name(
+    outcomes: dict[str, list[dict[str, Any]]], phase: str
+) -> None:
+    """Rank 1 SIGKILLed mid-forward/backward/optimizer step: rank 0 names it, within the bound."""
+    survivor, dead = outcomes[f"kill_{phase}"]
+    message = _failed(survivor)
+    assert "did not answer: rank 1" in message, message
+    assert "step 2" in message
+    assert dead.get("exit") == -signal.SIGKILL, dead
+
+
+def test_the_dump_holds_both_ranks_and_shard_debug_flight_names_the_difference(
+    outcomes: dict[str, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SHARD_FLIGHT_RECORDER_DUMP wrote both records; `shard debug flight` shows the divergence."""
+    from shard_cli.__main__ import main
+    from shard_comms import load_flight_dump
+
+    directory = outcomes["_dump"][0]["dir"]
+    assert sorted(load_flight_dump(directory)) == [0, 1]
+    assert main(["debug", "flight", directory]) == 0
+    table = capsys.readouterr().out
+    assert "first difference: rank 1 issued the all-gather of `layers.2`" in table, table
+    assert any(
+        line.startswith("!") and "forward all-gather layers.2 s2" in line
+        for line in table.splitlines()
+    ), table
+    assert main(["debug", "flight", str(Path(directory).parent / "nothing")]) == 2
+    assert "SHARD_FLIGHT_RECORDER_DUMP" in capsys.readouterr().err
