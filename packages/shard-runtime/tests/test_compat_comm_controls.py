@@ -16,26 +16,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import shard_runtime
 from shard_testing import RankPool
-
-
-class _Net(nn.Module):
-    """An embedding, two linears, and a side branch the loss may leave out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.l1 = nn.Linear(4, 8)
-        self.l2 = nn.Linear(8, 2)
-        self.side = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.emb(x)
-        return self.l2(torch.tanh(self.l1(h))), self.side(h)
+from shard_testing.compat import BranchNet
 
 
 class _Counting:
@@ -92,7 +77,7 @@ def _script(impl: str, case: str) -> dict[str, Any]:
     else:
         mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = _Net()
+    model = BranchNet()
     # fp16 reductions: the force-sum division splits around the sum against overflow.
     mp = MixedPrecisionPolicy(reduce_dtype=torch.float16 if "fp16" in flags else None)
     for child in (model.emb, model.l1, model.side):

@@ -22,24 +22,14 @@ from shard_runtime import FSDPModule, fully_shard, share_comm_ctx
 from shard_runtime._comm import CommContext, InFlight
 from shard_runtime._state import get_state
 from shard_testing import RankPool
+from shard_testing.compat import BranchNet
 from shard_testing.compat import error as _error
 
 Grads = dict[str, list[float]]
 
 
-class _Net(nn.Module):
-    """An embedding, two linears, and a side branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.l1 = nn.Linear(4, 8)
-        self.l2 = nn.Linear(8, 2)
-        self.side = nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.emb(x)
-        return self.l2(torch.tanh(self.l1(h))), self.side(h)
+class _Net(BranchNet):
+    """BranchNet under the name the messages checked here spell (``fully_shard(_Net)``)."""
 
 
 def _mesh(hsdp: bool) -> DeviceMesh:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
+    "BranchNet",
     "Impl",
     "TPBlock",
     "TPModel",
@@ -81,6 +82,26 @@ def fsdp_namespace(impl: Impl) -> ModuleType:
     if impl not in _NAMESPACES:
         raise ValueError(f"impl must be 'torch' or 'shard', got {impl!r}")
     return importlib.import_module(_NAMESPACES[impl])
+
+
+class BranchNet(nn.Module):
+    """An embedding, two linears, and a side branch the loss may leave out.
+
+    ``forward`` returns ``(main, side)``: token ids (integers below 10) in,
+    a 2-wide main output and a 3-wide side output; leaving ``side`` out of
+    the loss leaves its parameters without gradients.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.l1 = nn.Linear(4, 8)
+        self.l2 = nn.Linear(8, 2)
+        self.side = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.emb(x)
+        return self.l2(torch.tanh(self.l1(h))), self.side(h)
 
 
 class TPBlock(nn.Module):
