@@ -413,6 +413,10 @@ def _unsplit(impl: str, strategy: str) -> dict[str, Any]:
     inputs, target = _batch(rank)
     nn.functional.mse_loss(model(inputs), target).backward()
     out["grads"] = [(n, tuple(p.grad.shape), p.grad.tolist()) for n, p in model.named_parameters()]
+    with wrapper.summon_full_params(model, with_grads=True, writeback=False):
+        out["summoned_grads"] = [(n, tuple(p.grad.shape)) for n, p in model.named_parameters()]
+    out["grads_after_summon"] = [tuple(p.grad.shape) for p in model.parameters()]
+    out["clip_norm"] = model.clip_grad_norm_(0.5).item()
     optim.step()
     optim.zero_grad()
     out["losses"] = [step(model, optim, seed) for seed in (1, 2)]
@@ -443,8 +447,9 @@ def test_unsplit_original_params_keep_their_shapes(
     rank_pool: RankPool, strategy: str, world: int
 ) -> None:
     """With use_orig_params=True and a shard axis of one rank (NO_SHARD, or one rank),
-    parameters, gradients and optimizer state keep their full shapes and values as PyTorch's;
-    losses match; the full optimizer state dict round-trips into a fresh model and optimizer."""
+    parameters, gradients (also in summon_full_params(with_grads=True)) and optimizer state keep
+    their full shapes and values as PyTorch's; clip_grad_norm_ and losses match bit for bit; the
+    full optimizer state dict round-trips into a fresh model and optimizer."""
     theirs = rank_pool.run(_unsplit, world, "torch", strategy)
     ours = rank_pool.run(_unsplit, world, "shard", strategy)
     assert ours == theirs

@@ -912,19 +912,20 @@ def _state(wrapper: FullyShardedDataParallel) -> ShardState:
 def _clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
     states = states_in([root])
-    sharded: list[torch.Tensor] = []
-    seen: set[int] = set()
+    held: dict[int, nn.Parameter] = {}
     shard_group: dist.ProcessGroup | None = None
     shard_world = 1
     for s in states:
         group = s.unit.group
         assert isinstance(group, FlatParamGroup)
         shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
-        for p in group.registered_params():
-            seen.add(id(p))
-            if p.grad is not None:
-                sharded.append(p.grad)
-    replicated = [p.grad for p in root.parameters() if id(p) not in seen and p.grad is not None]
+        held.update((id(p), p) for p in group.registered_params())
+    # The model's parameter order, as PyTorch sums the per-parameter norms: the float
+    # sum then rounds as there (NO_SHARD and one-rank norms are bitwise PyTorch's).
+    order = {id(p): i for i, p in enumerate(root.parameters())}
+    ordered = sorted(held.values(), key=lambda p: order.get(id(p), len(order)))
+    sharded = [p.grad for p in ordered if p.grad is not None]
+    replicated = [p.grad for p in root.parameters() if id(p) not in held and p.grad is not None]
     device = (sharded or replicated or [torch.zeros(())])[0].device
     if math.isinf(norm_type):
         local = _norm(sharded, norm_type, device)
