@@ -18,6 +18,8 @@ BUILTIN_BASE = {
     "DistributedInitError": RuntimeError,
     "LayoutError": ValueError,
     "MeshError": ValueError,
+    "ModelMismatchError": RuntimeError,
+    "OptimizerStepError": RuntimeError,
     "PluginCollisionError": RuntimeError,
     "PluginError": RuntimeError,
     "ShardError": Exception,

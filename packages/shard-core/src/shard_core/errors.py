@@ -23,6 +23,8 @@ __all__ = [
     "DistributedInitError",
     "LayoutError",
     "MeshError",
+    "ModelMismatchError",
+    "OptimizerStepError",
     "PluginCollisionError",
     "PluginError",
     "PluginWarning",
@@ -48,6 +50,24 @@ class WrapPlanError(ShardError, ValueError):
 
     Raised for a policy built from bad options, a policy answer that is not a
     decision, and a unit that cannot exist (a container with no forward).
+    """
+
+
+class ModelMismatchError(ShardError, RuntimeError):
+    """The ranks of one mesh hold different models, or shard them into different units.
+
+    Found at the root's first forward, before any collective of the model:
+    the message names the first parameter or unit that differs, what each
+    side of the ranks has there, and the wrap plans when they differ.
+    """
+
+
+class OptimizerStepError(ShardError, RuntimeError):
+    """An optimizer stepped on sharded parameters whose gradients are not reduced yet.
+
+    Raised from an optimizer step pre-hook when ``optimizer.step()`` runs
+    during backward (in a backward hook) before the unit that holds its
+    parameters has reduced its gradients; the message names the unit.
     """
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shard_core.errors import LayoutError
+
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
@@ -32,6 +34,19 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        # Parameters compute and gradients reduce in these dtypes: an integer one
+        # would make trainable parameters integer, which autograd refuses deep inside.
+        for field_name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field_name)
+            if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
+                raise LayoutError(
+                    f"MixedPrecisionPolicy: {field_name}={dtype} is not a floating-point "
+                    "dtype, so the trainable parameters would become integers, which cannot "
+                    f"require grad; pass a floating-point dtype (e.g. {field_name}="
+                    "torch.bfloat16) or None"
+                )
 
 
 @dataclass(frozen=True)

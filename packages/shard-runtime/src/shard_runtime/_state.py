@@ -64,9 +64,11 @@ from torch.distributed.tensor import DTensor
 
 from shard_comms import set_flight_step
 from shard_runtime._compile import eager_hook
+from shard_runtime._fingerprint import check_same_model
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._per_param import PerParamGroup
+from shard_runtime._step_guard import watch_root
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
@@ -225,8 +227,14 @@ class ShardState:
                 f"{', '.join(on_meta)}; call module.to_empty(device=...) and initialize them "
                 "before the first forward"
             )
+        # See [Note: model fingerprints] in _fingerprint.py: before any collective of the model.
+        check_same_model(
+            [s.unit for s in states],
+            api="fully_shard" if self.composable else "FullyShardedDataParallel",
+        )
         for state in states:
             state.root = self
+        watch_root(self)  # See [Note: optimizer step guard] in _step_guard.py.
         if self.composable and self.auto_reshard_after_forward:
             # See [Note: the root]: backward needs the root's parameters at once.
             self.reshard_after_forward = False

@@ -213,6 +213,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
         _check_same_use_orig_params(self, module)
         specs = _collect_specs(module, shared.ignored_modules, shared.ignored_params)
         _check_frozen_mix(specs, self.use_orig_params, type(module).__name__)
+        _check_one_dtype(specs, type(module).__name__)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
         shard_device = (
             torch.device("cpu") if self.cpu_offload.offload_params else shared.compute_device
@@ -787,6 +788,20 @@ def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: s
         "separately to avoid it",
         UserWarning,
         stacklevel=4,
+    )
+
+
+def _check_one_dtype(specs: list[FlatParamSpec], name: str) -> None:
+    """One flat buffer holds one dtype: refuse a mix (``ValueError``, as PyTorch's FSDP)."""
+    dtypes = {s.param.dtype for s in specs}
+    if len(dtypes) <= 1:
+        return
+    listed = ", ".join(f"{s.fqn} ({str(s.param.dtype).removeprefix('torch.')})" for s in specs)
+    raise ValueError(
+        f"FullyShardedDataParallel({name}): one flat parameter holds one dtype, but this "
+        f"unit's parameters mix {len(dtypes)}: {listed}; cast them to one dtype "
+        "(module.to(dtype)) or wrap the differently typed submodule as its own unit "
+        "(an auto_wrap_policy)"
     )
 
 

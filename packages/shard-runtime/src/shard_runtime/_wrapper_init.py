@@ -41,6 +41,7 @@ from torch import nn
 
 from shard_comms import broadcast, get_device_handle
 from shard_core.errors import DeviceUnavailableError, LayoutError
+from shard_runtime._fingerprint import check_same_tensors
 from shard_runtime._fully_shard import FSDPModule
 
 __all__ = ["materialize_module", "move_to_device", "resolve_ignored", "sync_module_states"]
@@ -433,6 +434,9 @@ def sync_module_states(
         )
     if size == 1:
         return
+    # See [Note: model fingerprints] in _fingerprint.py: differing models would
+    # otherwise meet in broadcasts of different sizes.
+    check_same_tensors(states, group, f"{_WHO}(sync_module_states=True)")
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for _, t in states:
         if t.numel() > 0:

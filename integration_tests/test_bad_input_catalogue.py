@@ -1,0 +1,967 @@
+"""The bad-input catalogue: each kind of bad input, its exception type and a message that helps.
+
+One row of ``CATALOGUE`` per kind of bad input: the scenario that builds it,
+the exact exception type it raises, text that must name the culprit (module,
+parameter, rank, path) and text that must say the fix. ``docs/bad-input.md``
+is generated from the table (``python integration_tests/test_bad_input_catalogue.py``
+rewrites it; a test checks it is current). The ``covered`` column names an
+older test of the same input where one exists: the catalogue calls the
+scenario again, compactly, so that the whole list is checked in one place.
+
+Every multi-rank scenario runs in one ``rank_pool.run`` at world size 2:
+each scenario catches its own exception and every rank raises at the same
+point (before any mismatched collective), so the process group stays in
+step and the pool's group is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import errno
+import itertools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import init_device_mesh
+from torch.futures import Future
+
+from shard_checkpoint import CheckpointError
+from shard_checkpoint._storage import load, save
+from shard_comms import build_mesh
+from shard_core.errors import (
+    LayoutError,
+    MeshError,
+    ModelMismatchError,
+    OptimizerStepError,
+    UnknownPluginNameError,
+)
+from shard_core.plugin import get_registry
+from shard_runtime import (
+    DataParallelMeshDims,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+    _fingerprint,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from shard_runtime.wrap import ModuleWrapPolicy
+from shard_testing import RankPool
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of bad input and what its error must say."""
+
+    id: str
+    what: str  # the bad input, in words
+    error: type[BaseException]
+    names: tuple[str, ...]  # the culprit: each must appear in the message
+    fix: tuple[str, ...]  # the fix: each must appear in the message
+    covered: str = ""  # an older test of the same input
+    where: str = "ranks"  # "ranks": on 2 gloo ranks; "local": in this process
+
+
+# ---------------------------------------------------------------------- scenarios on ranks
+
+
+def _mesh() -> Any:
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def _blocks(widths: list[int]) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+
+
+def _forward(model: nn.Module, features: int = 4) -> None:
+    model(torch.ones(2, features))
+
+
+def _shapes_differ() -> None:
+    model = _blocks([4, 4, 4] if _rank() == 0 else [4, 6, 4])
+    for block in model:
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
+
+
+def _names_differ() -> None:
+    model = _blocks([4, 4, 4])
+    if _rank() == 1:
+        model = nn.Sequential()
+        model.add_module("first", nn.Linear(4, 4))
+        model.add_module("second", nn.Linear(4, 4))
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
+
+
+def _wrap_plans_differ() -> None:
+    model = _blocks([4, 4, 4, 4])
+    blocks = [model[0], model[1]] if _rank() == 0 else [model[0]]
+    for block in blocks:
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
+
+
+def _requires_grad_differs() -> None:
+    model = _blocks([4, 4, 4])
+    model[1].bias.requires_grad_(_rank() == 0)
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
+
+
+def _wrapper_shapes_differ() -> None:
+    model = _blocks([4, 4, 4] if _rank() == 0 else [4, 8, 4])
+    wrapped = FullyShardedDataParallel(model, device_mesh=_mesh())
+    _forward(wrapped)
+
+
+def _wrapper_plans_differ() -> None:
+    policy = ModuleWrapPolicy({nn.Linear}) if _rank() == 0 else None
+    wrapped = FullyShardedDataParallel(
+        _blocks([4, 4, 4]), device_mesh=_mesh(), auto_wrap_policy=policy
+    )
+    _forward(wrapped)
+
+
+def _wrapper_sync_models_differ() -> None:
+    model = _blocks([4, 4, 4] if _rank() == 0 else [4, 8, 4])
+    FullyShardedDataParallel(model, device_mesh=_mesh(), sync_module_states=True)
+
+
+def _mesh_size_vs_world() -> None:
+    build_mesh(shape=(3,))
+
+
+def _fully_shard_twice() -> None:
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+
+
+def _mixed_dtypes() -> None:
+    model = nn.Linear(4, 4)
+    model.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    fully_shard(model, mesh=_mesh())
+
+
+def _wrapper_mixed_dtypes() -> None:
+    model = nn.Linear(4, 4)
+    model.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    FullyShardedDataParallel(model, device_mesh=_mesh())
+
+
+def _integer_param_in_unit() -> None:
+    model = nn.Linear(4, 4)
+    model.register_parameter("index", nn.Parameter(torch.zeros(4, dtype=torch.int64), False))
+    fully_shard(model, mesh=_mesh())
+
+
+def _step_in_backward() -> None:
+    model = _blocks([4, 4, 4])
+    for block in model:
+        fully_shard(block, mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model(torch.ones(2, 4))
+    out.register_hook(lambda grad: optimizer.step())
+    try:
+        out.sum().backward()
+    finally:
+        model.reset_iter_state()  # type: ignore[operator]
+        # A normal step afterwards is not refused.
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+
+
+def _meta_at_forward() -> None:
+    with torch.device("meta"):
+        model = _blocks([4, 4, 4])
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
+
+
+def _container_without_forward() -> None:
+    fully_shard(nn.ModuleList([nn.Linear(4, 4)]), mesh=_mesh())
+
+
+def _scalar_parameter() -> None:
+    model = nn.Linear(4, 4)
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    fully_shard(model, mesh=_mesh())
+
+
+def _non_contiguous() -> None:
+    model = nn.Linear(4, 6)
+    model.weight = nn.Parameter(torch.randn(4, 6).t())
+    fully_shard(model, mesh=_mesh())
+
+
+def _shared_across_units() -> None:
+    model = _blocks([4, 4, 4])
+    model[1].weight = model[0].weight
+    fully_shard(model[0], mesh=_mesh())
+    fully_shard(model[1], mesh=_mesh())
+
+
+def _bad_reshard_size() -> None:
+    fully_shard(nn.Linear(4, 4), mesh=_mesh(), reshard_after_forward=3)
+
+
+def _unnamed_2d_mesh() -> None:
+    fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, 2)))
+
+
+def _deepcopy() -> None:
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=_mesh())
+    copy.deepcopy(model)
+
+
+def _not_a_module() -> None:
+    fully_shard(torch.zeros(3), mesh=_mesh())  # type: ignore[call-overload]
+
+
+def _empty_list() -> None:
+    fully_shard([], mesh=_mesh())
+
+
+def _inner_forward_first() -> None:
+    model = _blocks([4, 4, 4])
+    fully_shard(model[0], mesh=_mesh())
+    fully_shard(model, mesh=_mesh())
+    model[0](torch.ones(2, 4))
+    _forward(model)
+
+
+def _replaced_by_plain_tensor() -> None:
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=_mesh())
+    model.weight = nn.Parameter(torch.zeros(4, 4))
+    _forward(model)
+
+
+def _missing_forward_method() -> None:
+    model = nn.Linear(4, 4)
+    fully_shard(model, mesh=_mesh())
+    register_fsdp_forward_method(model, "generate")
+
+
+def _wrapper_bad_strategy() -> None:
+    FullyShardedDataParallel(nn.Linear(4, 4), sharding_strategy="FULL_SHARD")  # type: ignore[arg-type]
+
+
+def _wrapper_frozen_mix() -> None:
+    model = nn.Linear(4, 4)
+    model.bias.requires_grad_(False)
+    FullyShardedDataParallel(model, device_mesh=_mesh())
+
+
+def _wrapper_over_fully_shard() -> None:
+    model = _blocks([4, 4, 4])
+    fully_shard(model[0], mesh=_mesh())
+    FullyShardedDataParallel(model, device_mesh=_mesh())
+
+
+def _wrapper_group_and_mesh() -> None:
+    FullyShardedDataParallel(nn.Linear(4, 4), process_group=dist.group.WORLD, device_mesh=_mesh())
+
+
+def _wrapper_hybrid_plain_group() -> None:
+    FullyShardedDataParallel(
+        nn.Linear(4, 4),
+        process_group=dist.group.WORLD,
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+    )
+
+
+RANK_SCENARIOS: dict[str, Callable[[], None]] = {
+    "shapes_differ": _shapes_differ,
+    "names_differ": _names_differ,
+    "wrap_plans_differ": _wrap_plans_differ,
+    "requires_grad_differs": _requires_grad_differs,
+    "wrapper_shapes_differ": _wrapper_shapes_differ,
+    "wrapper_plans_differ": _wrapper_plans_differ,
+    "wrapper_sync_models_differ": _wrapper_sync_models_differ,
+    "mesh_size_vs_world": _mesh_size_vs_world,
+    "fully_shard_twice": _fully_shard_twice,
+    "mixed_dtypes": _mixed_dtypes,
+    "wrapper_mixed_dtypes": _wrapper_mixed_dtypes,
+    "integer_param_in_unit": _integer_param_in_unit,
+    "step_in_backward": _step_in_backward,
+    "meta_at_forward": _meta_at_forward,
+    "container_without_forward": _container_without_forward,
+    "scalar_parameter": _scalar_parameter,
+    "non_contiguous": _non_contiguous,
+    "shared_across_units": _shared_across_units,
+    "bad_reshard_size": _bad_reshard_size,
+    "unnamed_2d_mesh": _unnamed_2d_mesh,
+    "deepcopy": _deepcopy,
+    "not_a_module": _not_a_module,
+    "empty_list": _empty_list,
+    "inner_forward_first": _inner_forward_first,
+    "replaced_by_plain_tensor": _replaced_by_plain_tensor,
+    "missing_forward_method": _missing_forward_method,
+    "wrapper_bad_strategy": _wrapper_bad_strategy,
+    "wrapper_frozen_mix": _wrapper_frozen_mix,
+    "wrapper_over_fully_shard": _wrapper_over_fully_shard,
+    "wrapper_group_and_mesh": _wrapper_group_and_mesh,
+    "wrapper_hybrid_plain_group": _wrapper_hybrid_plain_group,
+}
+
+
+def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
+    """(qualified exception type, message), or ("", "") when nothing was raised."""
+    try:
+        fn()
+    except Exception as exc:  # the catalogue records whatever is raised
+        return f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
+    return "", ""
+
+
+def _run_rank_scenarios(names: list[str]) -> dict[str, tuple[str, str]]:
+    return {name: _outcome(RANK_SCENARIOS[name]) for name in names}
+
+
+# ---------------------------------------------------------------------- local scenarios
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"model": {"w": torch.full((8, 4), value), "b": torch.full((4,), value)}}
+
+
+def _saved(tmp: Path, value: float = 1.0) -> Path:
+    path = tmp / "ckpt"
+    save(_state(value), checkpoint_id=path)
+    return path
+
+
+def _loads_previous(path: Path, value: float = 1.0) -> None:
+    """The checkpoint at ``path`` still loads the values it was saved with."""
+    state = _state(0.0)
+    load(state, checkpoint_id=path)
+    for key, tensor in state["model"].items():
+        assert torch.equal(tensor, _state(value)["model"][key]), key
+
+
+class _RaisingWriter(FileSystemWriter):
+    """Raises ``OSError(code)`` while writing data, as a full or read-only disk does."""
+
+    def __init__(self, path: Path, code: int) -> None:
+        super().__init__(path)
+        self._code = code
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        raise OSError(self._code, os.strerror(self._code))
+
+
+def _other_model(tmp: Path) -> None:
+    path = _saved(tmp)
+    load({"model": {"weight": torch.zeros(8, 4)}}, checkpoint_id=path)
+
+
+def _other_shapes(tmp: Path) -> None:
+    path = _saved(tmp)
+    load({"model": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}}, checkpoint_id=path)
+
+
+def _data_file(path: Path) -> Path:
+    return next(p for p in path.iterdir() if p.suffix == ".distcp")
+
+
+def _truncated(tmp: Path) -> None:
+    path = _saved(tmp)
+    data = _data_file(path)
+    data.write_bytes(data.read_bytes()[:100])
+    load(_state(0.0), checkpoint_id=path)
+
+
+def _corrupt_metadata(tmp: Path) -> None:
+    path = _saved(tmp)
+    meta = path / ".metadata"
+    meta.write_bytes(meta.read_bytes()[:40])
+    load(_state(0.0), checkpoint_id=path)
+
+
+def _corrupt_data(tmp: Path) -> None:
+    path = _saved(tmp)
+    data = _data_file(path)
+    data.write_bytes(bytes(b ^ 0x5A for b in data.read_bytes()))
+    load(_state(0.0), checkpoint_id=path)
+
+
+def _unwritable(tmp: Path) -> None:
+    path = _saved(tmp)
+    try:
+        save(_state(2.0), checkpoint_id=path, storage_writer=_RaisingWriter(path, errno.EACCES))
+    finally:
+        _loads_previous(path)
+
+
+def _parent_not_a_directory(tmp: Path) -> None:
+    (tmp / "runs").write_text("a file where a directory should be")
+    save(_state(2.0), checkpoint_id=tmp / "runs" / "ckpt")
+
+
+def _disk_full(tmp: Path) -> None:
+    path = _saved(tmp)
+    try:
+        save(_state(2.0), checkpoint_id=path, storage_writer=_RaisingWriter(path, errno.ENOSPC))
+    finally:
+        _loads_previous(path)
+        assert sorted(p.name for p in tmp.iterdir()) == ["ckpt"]  # partial files removed
+
+
+def _id_is_a_file(tmp: Path) -> None:
+    (tmp / "ckpt").write_text("not a checkpoint")
+    save(_state(2.0), checkpoint_id=tmp / "ckpt")
+
+
+def _dir_not_a_checkpoint(tmp: Path) -> None:
+    (tmp / "ckpt").mkdir()
+    (tmp / "ckpt" / "notes.txt").write_text("mine")
+    save(_state(2.0), checkpoint_id=tmp / "ckpt")
+
+
+def _load_missing(tmp: Path) -> None:
+    load(_state(0.0), checkpoint_id=tmp / "nothing")
+
+
+def _load_incomplete(tmp: Path) -> None:
+    path = _saved(tmp)
+    with contextlib.suppress(CheckpointError):
+        save(_state(2.0), checkpoint_id=path, storage_writer=_RaisingWriter(path, errno.EIO))
+    staging = next(p for p in tmp.iterdir() if p.name.startswith("ckpt.incomplete-"))
+    load(_state(0.0), checkpoint_id=staging)
+
+
+def _integer_param_dtype(tmp: Path) -> None:
+    MixedPrecisionPolicy(param_dtype=torch.int32)
+
+
+def _unknown_wrap_policy(tmp: Path) -> None:
+    get_registry().wrap_policy("module_clas")
+
+
+def _empty_mesh_dims(tmp: Path) -> None:
+    DataParallelMeshDims()
+
+
+LOCAL_SCENARIOS: dict[str, Callable[[Path], None]] = {
+    "load_other_model": _other_model,
+    "load_other_shapes": _other_shapes,
+    "truncated_data_file": _truncated,
+    "corrupt_metadata": _corrupt_metadata,
+    "corrupt_data_file": _corrupt_data,
+    "unwritable_directory": _unwritable,
+    "parent_not_a_directory": _parent_not_a_directory,
+    "disk_full": _disk_full,
+    "checkpoint_id_is_a_file": _id_is_a_file,
+    "directory_not_a_checkpoint": _dir_not_a_checkpoint,
+    "load_missing": _load_missing,
+    "load_incomplete": _load_incomplete,
+    "integer_param_dtype": _integer_param_dtype,
+    "unknown_wrap_policy": _unknown_wrap_policy,
+    "empty_mesh_dims": _empty_mesh_dims,
+}
+
+
+# ---------------------------------------------------------------------- the catalogue
+
+_SAME_MODEL = ("Every rank must build the same model", "in the same order")
+_CKPT = "shard-checkpoint/tests/test_storage.py"
+
+CATALOGUE: list[Kind] = [
+    # - ranks that disagree (found by the fingerprint check at the root's lazy init)
+    Kind(
+        "shapes_differ",
+        "ranks whose models differ in a parameter's shape (fully_shard)",
+        ModelMismatchError,
+        ("'0.weight' shape (4, 4)", "'0.weight' shape (6, 4)", "rank 0 has", "rank 1 has"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "names_differ",
+        "ranks whose models name their parameters differently",
+        ModelMismatchError,
+        ("'0.weight'", "'first.weight'", "rank 0", "rank 1"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "wrap_plans_differ",
+        "ranks with different wrap plans (fully_shard on different submodules)",
+        ModelMismatchError,
+        (
+            "wrap plans",
+            "rank 0 has unit '1', but rank 1 has nothing there",
+            "['(root)', '0', '1']",
+            "['(root)', '0']",
+        ),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "requires_grad_differs",
+        "ranks that freeze different parameters",
+        ModelMismatchError,
+        ("'1.bias'", "requires_grad=True", "requires_grad=False", "rank 1"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "wrapper_shapes_differ",
+        "ranks whose models differ in shapes (FullyShardedDataParallel)",
+        ModelMismatchError,
+        ("FullyShardedDataParallel:", "'0.weight' shape (4, 4)", "'0.weight' shape (8, 4)"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "wrapper_plans_differ",
+        "ranks with different auto_wrap_policy decisions (FullyShardedDataParallel)",
+        ModelMismatchError,
+        ("wrap plans", "rank 0 has unit '0'", "rank 1"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "wrapper_sync_models_differ",
+        "ranks whose models differ, with sync_module_states=True (found before the broadcast)",
+        ModelMismatchError,
+        ("FullyShardedDataParallel(sync_module_states=True)", "'0.weight' shape (8, 4)"),
+        _SAME_MODEL,
+    ),
+    Kind(
+        "mesh_size_vs_world",
+        "a mesh whose size disagrees with the world",
+        MeshError,
+        ("shape=(3,) holds 3 ranks but the world has 2",),
+        ("must multiply to the world size",),
+        "shard-comms/tests/test_mesh.py",
+    ),
+    # - fully_shard
+    Kind(
+        "fully_shard_twice",
+        "fully_shard applied twice to one module",
+        AssertionError,
+        ("Linear is already sharded",),
+        ("apply fully_shard once per module",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "mixed_dtypes",
+        "parameters of mixed dtypes in one unit (fully_shard)",
+        TypeError,
+        ("fully_shard(Linear)", "weight (torch.float32)", "bias (torch.float64)"),
+        ("MixedPrecisionPolicy(param_dtype=...)", "shard the differently typed submodule"),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "wrapper_mixed_dtypes",
+        "parameters of mixed dtypes in one flat unit (FullyShardedDataParallel)",
+        ValueError,
+        ("FullyShardedDataParallel(Linear)", "weight (float32)", "bias (float64)"),
+        ("cast them to one dtype", "wrap the differently typed submodule"),
+    ),
+    Kind(
+        "integer_param_in_unit",
+        "an integer parameter in a floating-point unit",
+        TypeError,
+        ("fully_shard(Linear)", "index (torch.int64)"),
+        ("shard the differently typed submodule separately",),
+    ),
+    Kind(
+        "integer_param_dtype",
+        "integer parameters requiring grad (an integer param_dtype for trainable parameters)",
+        LayoutError,
+        ("MixedPrecisionPolicy: param_dtype=torch.int32",),
+        ("pass a floating-point dtype",),
+        where="local",
+    ),
+    Kind(
+        "step_in_backward",
+        "optimizer.step() before backward finished (in a backward hook)",
+        OptimizerStepError,
+        ("SGD.step() ran during backward", "before the unit '0' reduced its gradients"),
+        ("call optimizer.step() after loss.backward() returns",),
+    ),
+    Kind(
+        "meta_at_forward",
+        "parameters still on the meta device at the first forward",
+        RuntimeError,
+        ("0.weight, 0.bias, 1.weight, 1.bias",),
+        ("call module.to_empty(device=...)",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "container_without_forward",
+        "fully_shard on a container with no forward (ModuleList)",
+        ValueError,
+        ("ModuleList is a container without a forward",),
+        ("shard its children instead",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "scalar_parameter",
+        "a 0-d (scalar) parameter",
+        LayoutError,
+        ("parameter 'scale' is a scalar",),
+        ("nn.Parameter(value.reshape(1))",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "non_contiguous",
+        "a non-contiguous parameter",
+        NotImplementedError,
+        ("parameter 'weight' is not contiguous",),
+        ("nn.Parameter(param.contiguous())",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "shared_across_units",
+        "a parameter shared by two units",
+        ValueError,
+        ("parameter 'weight' is already sharded by the unit of",),
+        ("pass the modules that share it as a list to one fully_shard call",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "bad_reshard_size",
+        "reshard_after_forward as an int that does not divide the shard axis",
+        ValueError,
+        ("shard axis size 2", "got 3"),
+        ("an int that divides the shard axis size",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "unnamed_2d_mesh",
+        "a 2-D mesh without axis names",
+        AssertionError,
+        ("a 2-D mesh needs axis names",),
+        ("mesh_dim_names=('replicate', 'shard')",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "deepcopy",
+        "copy.deepcopy of a sharded module",
+        AssertionError,
+        ("FSDPLinear is sharded by fully_shard",),
+        ("copy the model's state dict instead",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "not_a_module",
+        "fully_shard on something that is not a module",
+        TypeError,
+        ("got Tensor",),
+        ("expects an nn.Module or a list of them",),
+    ),
+    Kind(
+        "empty_list",
+        "fully_shard on an empty list",
+        ValueError,
+        ("got an empty list of modules",),
+        ("fully_shard",),
+    ),
+    Kind(
+        "inner_forward_first",
+        "a submodule's forward run before its root's first forward",
+        RuntimeError,
+        ("Linear ('0') already ran forward as a root", "Sequential"),
+        ("run the outermost sharded module's forward first",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "replaced_by_plain_tensor",
+        "a sharded parameter replaced by a plain (full) tensor",
+        AttributeError,
+        ("'weight'",),
+        ("DTensor",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    Kind(
+        "missing_forward_method",
+        "register_fsdp_forward_method with a method the module lacks",
+        ValueError,
+        ("FSDPLinear has no method 'generate'",),
+        ("pass the name of a method its class defines",),
+        "shard-runtime/tests/test_fully_shard_api.py",
+    ),
+    # - FullyShardedDataParallel
+    Kind(
+        "wrapper_bad_strategy",
+        "a sharding_strategy that is not a ShardingStrategy",
+        TypeError,
+        ("got 'FULL_SHARD'",),
+        ("sharding_strategy must be a ShardingStrategy",),
+        "shard-runtime/tests/test_wrapper.py",
+    ),
+    Kind(
+        "wrapper_frozen_mix",
+        "frozen and trainable parameters in one flat parameter",
+        ValueError,
+        ("frozen: bias", "trainable: weight"),
+        ("pass use_orig_params=True", "Wrap them in separate units"),
+        "shard-runtime/tests/test_wrapper.py",
+    ),
+    Kind(
+        "wrapper_over_fully_shard",
+        "FullyShardedDataParallel over a module already sharded by fully_shard",
+        ValueError,
+        ("submodule '0' (FSDPLinear) is already sharded by fully_shard",),
+        ("shard a model with one front end",),
+        "shard-runtime/tests/test_wrapper.py",
+    ),
+    Kind(
+        "wrapper_group_and_mesh",
+        "both process_group and device_mesh",
+        ValueError,
+        ("FullyShardedDataParallel",),
+        ("pass either process_group or device_mesh, not both",),
+        "shard-runtime/tests/test_wrapper.py",
+    ),
+    Kind(
+        "wrapper_hybrid_plain_group",
+        "a hybrid strategy given one process group",
+        ValueError,
+        ("HYBRID_SHARD",),
+        ("(shard_group, replicate_group) tuple", "2-D device_mesh"),
+        "shard-runtime/tests/test_wrapper.py",
+    ),
+    # - plugins, options
+    Kind(
+        "unknown_wrap_policy",
+        "a wrap policy asked for by a name nobody registered",
+        UnknownPluginNameError,
+        ("no wrap policy is registered as 'module_clas'",),
+        ("Did you mean 'module_class'?",),
+        "shard-core/tests/test_registry.py",
+        where="local",
+    ),
+    Kind(
+        "empty_mesh_dims",
+        "DataParallelMeshDims with neither axis",
+        ValueError,
+        ("DataParallelMeshDims",),
+        ("give shard=", "replicate="),
+        where="local",
+    ),
+    # - checkpoints
+    Kind(
+        "load_other_model",
+        "load of a checkpoint from a different model (other names)",
+        CheckpointError,
+        ("has no 'model.weight'", "closest: 'model.w'"),
+        ("Load a checkpoint of this model", "strict=False"),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "load_other_shapes",
+        "load of a checkpoint from a different model (other shapes)",
+        CheckpointError,
+        ("'model.w' with shape (8, 4)", "expects (4, 4)"),
+        ("load a checkpoint of this model",),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "truncated_data_file",
+        "a truncated checkpoint data file",
+        CheckpointError,
+        ("is incomplete", "__0_0.distcp", "has only 100 bytes"),
+        ("a file deleted or cut short",),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "corrupt_metadata",
+        "a corrupted (cut) .metadata file",
+        CheckpointError,
+        ("is damaged: its .metadata cannot be read",),
+        ("Load an earlier checkpoint", "save this one again"),
+        where="local",
+    ),
+    Kind(
+        "corrupt_data_file",
+        "a corrupted checkpoint data file (overwritten bytes)",
+        CheckpointError,
+        ("a data file of the checkpoint is damaged", "on rank 0"),
+        ("Load an earlier checkpoint",),
+        where="local",
+    ),
+    Kind(
+        "unwritable_directory",
+        "an unwritable checkpoint directory (EACCES); the previous checkpoint loads",
+        CheckpointError,
+        ("Permission denied", "on rank 0"),
+        ("cannot write to", "pass a checkpoint_id in a writable directory"),
+        where="local",
+    ),
+    Kind(
+        "parent_not_a_directory",
+        "a checkpoint path under a file",
+        CheckpointError,
+        ("cannot save a checkpoint at", "Not a directory"),
+        ("is not a directory: pass a directory path",),
+        where="local",
+    ),
+    Kind(
+        "disk_full",
+        "a full disk (ENOSPC) while saving; the previous checkpoint loads",
+        CheckpointError,
+        ("No space left on device", "on rank 0", "the partial files were removed"),
+        ("is full: free space there", "on another disk"),
+        "integration_tests/test_checkpoint_crash.py",
+        where="local",
+    ),
+    Kind(
+        "checkpoint_id_is_a_file",
+        "a checkpoint_id that is a file",
+        CheckpointError,
+        ("it is a file",),
+        ("pass a directory path as checkpoint_id",),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "directory_not_a_checkpoint",
+        "a checkpoint_id that is a directory of other files",
+        CheckpointError,
+        ("the directory exists and is not a checkpoint",),
+        ("choose another checkpoint_id or remove the directory",),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "load_missing",
+        "load from a path with no checkpoint",
+        CheckpointError,
+        ("no checkpoint at", "does not exist"),
+        ("nothing",),
+        _CKPT,
+        where="local",
+    ),
+    Kind(
+        "load_incomplete",
+        "load of a checkpoint a failed save left incomplete",
+        CheckpointError,
+        ("is an incomplete checkpoint",),
+        ("load the last complete checkpoint",),
+        _CKPT,
+        where="local",
+    ),
+]
+
+_RANK_KINDS = [k for k in CATALOGUE if k.where == "ranks"]
+_LOCAL_KINDS = [k for k in CATALOGUE if k.where == "local"]
+
+
+def _qualified(cls: type[BaseException]) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check(kind: Kind, outcome: tuple[str, str]) -> None:
+    raised, message = outcome
+    assert raised == _qualified(kind.error), f"{kind.id}: raised {raised or 'nothing'}: {message}"
+    for text in (*kind.names, *kind.fix):
+        assert text in message, f"{kind.id}: {text!r} not in: {message}"
+
+
+@pytest.fixture(scope="module")
+def rank_outcomes(rank_pool: RankPool) -> list[dict[str, tuple[str, str]]]:
+    """Every multi-rank scenario, on 2 ranks, in one run."""
+    return rank_pool.run(_run_rank_scenarios, 2, [k.id for k in _RANK_KINDS])
+
+
+def test_the_catalogue_counts_at_least_30_kinds() -> None:
+    """Issue 12 asks for 30 kinds of bad input; every kind has a scenario and a unique id."""
+    ids = [k.id for k in CATALOGUE]
+    assert len(ids) == len(set(ids)) >= 30
+    assert {k.id for k in _RANK_KINDS} == set(RANK_SCENARIOS)
+    assert {k.id for k in _LOCAL_KINDS} == set(LOCAL_SCENARIOS)
+
+
+@pytest.mark.parametrize("kind", _RANK_KINDS, ids=lambda k: k.id)
+def test_bad_input_on_ranks(kind: Kind, rank_outcomes: list[dict[str, tuple[str, str]]]) -> None:
+    """Every rank raises the kind's exception type, naming the culprit and the fix."""
+    for outcome in rank_outcomes:
+        _check(kind, outcome[kind.id])
+
+
+@pytest.mark.parametrize("kind", _LOCAL_KINDS, ids=lambda k: k.id)
+def test_bad_input_locally(kind: Kind, tmp_path: Path) -> None:
+    """The kind's exception type, naming the culprit and the fix (the previous checkpoint loads)."""
+    _check(kind, _outcome(lambda: LOCAL_SCENARIOS[kind.id](tmp_path)))
+
+
+def test_model_mismatch_names_the_ranks_on_each_side(
+    rank_outcomes: list[dict[str, tuple[str, str]]],
+) -> None:
+    """Both ranks raise the same message; it says which rank has which parameter."""
+    rank0, rank1 = (o["shapes_differ"][1] for o in rank_outcomes)
+    assert rank0 == rank1
+    assert "rank 0 has parameter '0.weight' shape (4, 4) float32 requires_grad=True" in rank0
+    assert "rank 1 has parameter '0.weight' shape (6, 4) float32 requires_grad=True" in rank0
+
+
+def test_model_mismatch_message_groups_the_ranks() -> None:
+    """With 4 ranks, the majority is one side, the first other rank's group the other."""
+    same = ["unit '(root)'", "parameter 'w' shape (4,) float32 requires_grad=True"]
+    other = ["unit '(root)'", "parameter 'w' shape (5,) float32 requires_grad=True"]
+    third = ["unit '(root)'", "parameter 'v' shape (4,) float32 requires_grad=True"]
+    described = [same, other, same, third]
+    digests: list[tuple[int, ...]] = [(1,), (2,), (1,), (3,)]
+    message = _fingerprint._message(described, digests, [0, 1, 2, 3], "fully_shard")
+    assert message.startswith(
+        "fully_shard: the ranks do not hold the same model: ranks 0, 2 have parameter 'w' "
+        "shape (4,) float32 requires_grad=True, but rank 1 has parameter 'w' shape (5,) "
+        "float32 requires_grad=True (the first difference, in unit order). rank 3 differs too."
+    ), message
+
+
+def _markdown() -> str:
+    lines = [
+        "# Bad input catalogue",
+        "",
+        "Generated from `integration_tests/test_bad_input_catalogue.py` (run it as a script to",
+        "rewrite this file). Each kind is tested: the exact exception type, and a message that",
+        "names the culprit and says the fix. *Covered* names an older test of the same input.",
+        "",
+        "| # | Bad input | Exception | Test id | Covered |",
+        "|---|---|---|---|---|",
+    ]
+    for number, kind in enumerate(CATALOGUE, 1):
+        lines.append(
+            f"| {number} | {kind.what} | `{kind.error.__name__}` | `{kind.id}` | "
+            f"{kind.covered or 'new'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def test_the_generated_list_is_current() -> None:
+    """docs/bad-input.md is the table above, rendered."""
+    assert DOC.read_text() == _markdown(), (
+        "run python integration_tests/test_bad_input_catalogue.py"
+    )
+
+
+if __name__ == "__main__":
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(_markdown())
+    sys.stdout.write(f"wrote {DOC} ({len(CATALOGUE)} kinds)\n")

@@ -1,0 +1,86 @@
+"""Refuse an optimizer step on gradients a unit has not reduced yet.
+
+[Note: optimizer step guard]
+A sharded parameter's gradient is complete only once its unit's
+reduce-scatter has run, which happens during backward, unit by unit, and
+for the last units only at the end of backward. An ``optimizer.step()``
+called earlier (from a backward hook, a gradient hook, an autograd
+function) would silently step on a missing or local-only gradient, and the
+ranks would drift apart.
+
+So the first root to finish its lazy init registers one global optimizer
+step pre-hook (``register_optimizer_step_pre_hook``, once per process). The
+hook costs one call outside backward: it returns unless the autograd engine
+is running a backward on this thread and some live root is between its
+first pre-backward and its end of backward. Only then does it map the
+optimizer's parameters to the units that hold them and raise
+:class:`~shard_core.errors.OptimizerStepError`, naming the first unit whose
+gradients are not reduced yet. Stepping inside backward on units that are
+already reduced (optimizer-in-backward done per unit) is allowed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from shard_core.errors import OptimizerStepError
+from shard_runtime._compile import eager_hook
+from shard_runtime._unit import TrainingState
+
+if TYPE_CHECKING:
+    from shard_runtime._state import ShardState
+
+__all__ = ["watch_root"]
+
+_ROOTS: weakref.WeakSet[ShardState] = weakref.WeakSet()
+_HANDLE: list[RemovableHandle] = []
+
+
+def watch_root(root: ShardState) -> None:
+    """Guard optimizer steps on ``root``'s units; see [Note: optimizer step guard]."""
+    _ROOTS.add(root)
+    if not _HANDLE:
+        hook = eager_hook(_pre_step, "optimizer step guard")
+        _HANDLE.append(register_optimizer_step_pre_hook(hook))
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch._C._current_graph_task_id() == -1:
+        return  # not inside a backward: the common case, one call
+    for root in list(_ROOTS):
+        if root._final_callback_queued:
+            _check(optimizer, root)
+
+
+def _check(optimizer: torch.optim.Optimizer, root: ShardState) -> None:
+    owners = {
+        id(param): state
+        for state in root.all_states
+        for param in state.unit.group.registered_params()
+    }
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = owners.get(id(param))
+            if state is None:
+                continue
+            unit = state.unit
+            if unit.group.num_trainable and unit.training_state is not TrainingState.POST_BACKWARD:
+                name = unit.label or f"the root {state.class_name}"
+                where = (
+                    "is running"
+                    if unit.training_state is TrainingState.PRE_BACKWARD
+                    else "has not started"
+                )
+                raise OptimizerStepError(
+                    f"{type(optimizer).__name__}.step() ran during backward, before the unit "
+                    f"{name!r} reduced its gradients (its backward {where}), so it would "
+                    "step on gradients that are "
+                    "missing or hold only this rank's part; call optimizer.step() after "
+                    "loss.backward() returns (or, stepping per unit in backward, only for "
+                    "units whose backward has finished)"
+                )
