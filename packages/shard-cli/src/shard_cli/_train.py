@@ -75,7 +75,7 @@ from shard_cli._report import summary_lines
 from shard_cli._shard import compute_dtype, resolve_policy, shard_layout, shard_model
 from shard_cli.gpt import GPT, GPTConfig
 from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
-from shard_core.errors import ShardError
+from shard_core.errors import CollectiveError, ShardError
 
 __all__ = ["RunSummary", "predict", "run_worker"]
 
@@ -604,6 +604,8 @@ def run_worker(options: TrainOptions) -> int:
 
 def _first_sentence(exc: BaseException) -> str:
     """The start of an error's message (gloo's run on for several sentences)."""
+    if isinstance(exc, CollectiveError):  # all of it: its lines say what every rank was doing
+        return str(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     cut = text.find(". ")
     return text[: cut + 1] if cut > 0 else text

@@ -30,6 +30,7 @@ side by side (:func:`format_flight_table`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,7 @@ __all__ = [
     "load_flight_dump",
 ]
 
+_LOG = logging.getLogger("shard.comms")
 _KEY = "shard/flight/{rank}"
 _WAIT_ENV = "SHARD_FLIGHT_WAIT"
 _DUMP_ENV = "SHARD_FLIGHT_RECORDER_DUMP"
@@ -245,6 +247,14 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
     store = _default_store() if initialized else None
     wait = 0.0 if _reported else _wait_seconds()
     _reported = True
+    # Said at once: a launcher may stop this rank before the peers' records arrive.
+    _LOG.error(
+        "shard: rank %d: %s raised %s; reading the other ranks' flight records (up to %g s)",
+        rank,
+        describe_entry(failed),
+        reason,
+        wait,
+    )
     answered, missing, store_problem = _publish_and_gather(store, rank, peers, payload, wait)
     dumped = _dump(rank, payload)
 
