@@ -57,6 +57,10 @@ def _rank_main(scenario: str, rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
 
     store = TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+    # Both ranks start the group together: a slow start-up must not eat the short timeout.
+    store.add("ready", 1)
+    while store.add("ready", 0) < 2:
+        time.sleep(0.05)
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=TIMEOUT_S)
     )
