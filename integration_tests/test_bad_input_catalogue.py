@@ -561,7 +561,7 @@ CATALOGUE: list[Kind] = [
         AssertionError,
         ("Linear is already sharded",),
         ("apply fully_shard once per module",),
-        "shard-runtime/tests/test_fully_shard_api.py",
+        "shard-runtime/tests/test_compat_fully_shard.py",
     ),
     Kind(
         "mixed_dtypes",
@@ -700,7 +700,7 @@ CATALOGUE: list[Kind] = [
         ValueError,
         ("FSDPLinear has no method 'generate'",),
         ("pass the name of a method its class defines",),
-        "shard-runtime/tests/test_fully_shard_api.py",
+        "shard-runtime/tests/test_compat_fully_shard.py",
     ),
     # - FullyShardedDataParallel
     Kind(
@@ -709,7 +709,7 @@ CATALOGUE: list[Kind] = [
         TypeError,
         ("got 'FULL_SHARD'",),
         ("sharding_strategy must be a ShardingStrategy",),
-        "shard-runtime/tests/test_wrapper.py",
+        "shard-runtime/tests/test_wrapper_api.py",
     ),
     Kind(
         "wrapper_frozen_mix",
@@ -717,7 +717,7 @@ CATALOGUE: list[Kind] = [
         ValueError,
         ("frozen: bias", "trainable: weight"),
         ("pass use_orig_params=True", "Wrap them in separate units"),
-        "shard-runtime/tests/test_wrapper.py",
+        "shard-runtime/tests/test_wrapper_api.py",
     ),
     Kind(
         "wrapper_over_fully_shard",
@@ -725,7 +725,7 @@ CATALOGUE: list[Kind] = [
         ValueError,
         ("submodule '0' (FSDPLinear) is already sharded by fully_shard",),
         ("shard a model with one front end",),
-        "shard-runtime/tests/test_wrapper.py",
+        "shard-runtime/tests/test_wrapper_api.py",
     ),
     Kind(
         "wrapper_group_and_mesh",
@@ -733,7 +733,6 @@ CATALOGUE: list[Kind] = [
         ValueError,
         ("FullyShardedDataParallel",),
         ("pass either process_group or device_mesh, not both",),
-        "shard-runtime/tests/test_wrapper.py",
     ),
     Kind(
         "wrapper_hybrid_plain_group",
@@ -741,7 +740,6 @@ CATALOGUE: list[Kind] = [
         ValueError,
         ("HYBRID_SHARD",),
         ("(shard_group, replicate_group) tuple", "2-D device_mesh"),
-        "shard-runtime/tests/test_wrapper.py",
     ),
     # - plugins, options
     Kind(
@@ -895,6 +893,12 @@ def test_the_catalogue_counts_at_least_30_kinds() -> None:
     assert len(ids) == len(set(ids)) >= 30
     assert {k.id for k in _RANK_KINDS} == set(RANK_SCENARIOS)
     assert {k.id for k in _LOCAL_KINDS} == set(LOCAL_SCENARIOS)
+    root = DOC.parents[1]
+    for kind in CATALOGUE:
+        if kind.covered:
+            where = kind.covered if kind.covered.startswith("integration") else "packages/"
+            path = root / kind.covered if where == kind.covered else root / where / kind.covered
+            assert path.is_file(), f"{kind.id}: {kind.covered} does not exist"
 
 
 @pytest.mark.parametrize("kind", _RANK_KINDS, ids=lambda k: k.id)

@@ -29,7 +29,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shard_core.errors import OptimizerStepError
-from shard_runtime._compile import eager_hook
 from shard_runtime._unit import TrainingState
 
 if TYPE_CHECKING:
@@ -45,13 +44,14 @@ def watch_root(root: ShardState) -> None:
     """Guard optimizer steps on ``root``'s units; see [Note: optimizer step guard]."""
     _ROOTS.add(root)
     if not _HANDLE:
-        hook = eager_hook(_pre_step, "optimizer step guard")
-        _HANDLE.append(register_optimizer_step_pre_hook(hook))
+        _HANDLE.append(register_optimizer_step_pre_hook(_pre_step))
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch._C._current_graph_task_id() == -1:
-        return  # not inside a backward: the common case, one call
+    # A compiled optimizer step traces this hook: it folds to nothing there (a
+    # compiled step inside backward is not guarded). Eager: one C call outside backward.
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        return
     for root in list(_ROOTS):
         if root._final_callback_queued:
             _check(optimizer, root)
