@@ -16,7 +16,9 @@ first pre-backward and its end of backward. Only then does it map the
 optimizer's parameters to the units that hold them and raise
 :class:`~shard_core.errors.OptimizerStepError`, naming the first unit whose
 gradients are not reduced yet. Stepping inside backward on units that are
-already reduced (optimizer-in-backward done per unit) is allowed.
+already reduced (optimizer-in-backward done per unit) is allowed: the hook
+first lands the reductions still in flight, so the step sees complete
+gradients.
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def _check(optimizer: torch.optim.Optimizer, root: ShardState) -> None:
         for state in root.all_states
         for param in state.unit.group.registered_params()
     }
+    held = False
     for group in optimizer.param_groups:
         for param in group["params"]:
             state = owners.get(id(param))
             if state is None:
                 continue
+            held = True
             unit = state.unit
             if unit.group.num_trainable and unit.training_state is not TrainingState.POST_BACKWARD:
                 name = unit.label or f"the root {state.class_name}"
@@ -84,3 +88,7 @@ def _check(optimizer: torch.optim.Optimizer, root: ShardState) -> None:
                     "loss.backward() returns (or, stepping per unit in backward, only for "
                     "units whose backward has finished)"
                 )
+    if held:
+        # Every unit it holds has reduced, but the last reductions may still be in
+        # flight: land them, so the step sees the complete sharded gradients.
+        root.unit.comm_ctx.queue(None, 0)
