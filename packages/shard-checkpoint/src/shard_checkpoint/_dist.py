@@ -58,7 +58,7 @@ def broadcast_tensor(
 ) -> torch.Tensor:
     """Copy rank 0's ``tensor`` (contiguous) into every rank's ``tensor``, in place; return it."""
     if is_distributed(group):
-        broadcast(tensor, src=0, group=group, label=label)
+        broadcast(tensor, src=0, group=group, label=label, phase="checkpoint broadcast")
     return tensor
 
 

@@ -6,7 +6,8 @@ builds a :class:`~shard_core.errors.CollectiveError` from every rank's flight
 recorder (see ``_flight.py``). It names, in order: this rank with its last
 issued and last completed collective; what every other rank that answers
 last issued and completed; the first rank whose record differs and how; the
-ranks that are behind; the ranks that did not answer.
+ranks that are behind (when no record differs); the ranks that did not
+answer.
 
 [Note: Exchanging records through the store]
 A failed collective cannot carry the records (the group is what broke), but
@@ -270,7 +271,8 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
     divergence = find_divergence(everyone)
     if divergence is not None:
         lines.append(f"first difference: {divergence}")
-    lines.extend(_behind(everyone))
+    else:  # after a difference, who is ahead is only its fallout
+        lines.extend(_behind(everyone))
     if missing:
         names = ", ".join(str(r) for r in missing)
         lines.append(
