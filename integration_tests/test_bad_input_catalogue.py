@@ -73,7 +73,7 @@ class Kind:
     names: tuple[str, ...]  # the culprit: each must appear in the message
     fix: tuple[str, ...]  # the fix: each must appear in the message
     covered: str = ""  # an older test of the same input
-    where: str = "ranks"  # "ranks": on 2 gloo ranks; "local": in this process
+    where: str = "ranks"  # "ranks": on 2 gloo ranks; "ranks4": on 4; "local": in this process
 
 
 # ---------------------------------------------------------------------- scenarios on ranks
@@ -352,6 +352,36 @@ RANK_SCENARIOS: dict[str, Callable[[], None]] = {
 }
 
 
+def _hybrid_mesh() -> Any:
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _hybrid_one_rank_differs() -> None:
+    model = _blocks([4, 8, 4] if _rank() == 3 else [4, 4, 4])
+    for block in model:
+        fully_shard(block, mesh=_hybrid_mesh())
+    fully_shard(model, mesh=_hybrid_mesh())
+    _forward(model)
+
+
+def _wrapper_hybrid_sync_one_rank_differs() -> None:
+    model = _blocks([4, 8, 4] if _rank() == 3 else [4, 4, 4])
+    FullyShardedDataParallel(
+        model,
+        device_mesh=_hybrid_mesh(),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        sync_module_states=True,
+    )
+
+
+# At world size 4, on a (replicate 2, shard 2) mesh: every rank must raise, also
+# ranks 0 and 1, whose own shard group and replica agree.
+HYBRID_SCENARIOS: dict[str, Callable[[], None]] = {
+    "hybrid_one_rank_differs": _hybrid_one_rank_differs,
+    "wrapper_hybrid_sync_one_rank_differs": _wrapper_hybrid_sync_one_rank_differs,
+}
+
+
 # Not bad input: scenarios the checks above must let through, run in the same group.
 ALLOWED_SCENARIOS: dict[str, Callable[[], None]] = {
     "step_in_backward_after_reduce": _step_in_backward_after_reduce,
@@ -368,7 +398,7 @@ def _outcome(fn: Callable[[], object]) -> tuple[str, str]:
 
 
 def _run_rank_scenarios(names: list[str]) -> dict[str, tuple[str, str]]:
-    scenarios = {**RANK_SCENARIOS, **ALLOWED_SCENARIOS}
+    scenarios = {**RANK_SCENARIOS, **ALLOWED_SCENARIOS, **HYBRID_SCENARIOS}
     return {name: _outcome(scenarios[name]) for name in names}
 
 
@@ -575,6 +605,22 @@ CATALOGUE: list[Kind] = [
         ModelMismatchError,
         ("FullyShardedDataParallel(sync_module_states=True)", "'0.weight' shape (8, 4)"),
         _SAME_MODEL,
+    ),
+    Kind(
+        "hybrid_one_rank_differs",
+        "one rank's model differs on a 2-D (replicate, shard) mesh: every rank raises",
+        ModelMismatchError,
+        ("fully_shard: the ranks do not hold the same model",),
+        ("Every rank must build the same model",),
+        where="ranks4",
+    ),
+    Kind(
+        "wrapper_hybrid_sync_one_rank_differs",
+        "one rank's model differs, HYBRID_SHARD with sync_module_states=True: every rank raises",
+        ModelMismatchError,
+        ("FullyShardedDataParallel(sync_module_states=True)",),
+        ("Every rank must build the same model",),
+        where="ranks4",
     ),
     Kind(
         "mesh_size_vs_world",
@@ -898,6 +944,7 @@ CATALOGUE: list[Kind] = [
 
 _RANK_KINDS = [k for k in CATALOGUE if k.where == "ranks"]
 _LOCAL_KINDS = [k for k in CATALOGUE if k.where == "local"]
+_HYBRID_KINDS = [k for k in CATALOGUE if k.where == "ranks4"]
 
 
 def _qualified(cls: type[BaseException]) -> str:
@@ -924,6 +971,7 @@ def test_the_catalogue_counts_at_least_30_kinds() -> None:
     assert len(ids) == len(set(ids)) >= 30
     assert {k.id for k in _RANK_KINDS} == set(RANK_SCENARIOS)
     assert {k.id for k in _LOCAL_KINDS} == set(LOCAL_SCENARIOS)
+    assert {k.id for k in _HYBRID_KINDS} == set(HYBRID_SCENARIOS)
     root = DOC.parents[1]
     for kind in CATALOGUE:
         if kind.covered:
@@ -937,6 +985,23 @@ def test_bad_input_on_ranks(kind: Kind, rank_outcomes: list[dict[str, tuple[str,
     """Every rank raises the kind's exception type, naming the culprit and the fix."""
     for outcome in rank_outcomes:
         _check(kind, outcome[kind.id])
+
+
+@pytest.fixture(scope="module")
+def hybrid_outcomes(rank_pool: RankPool) -> list[dict[str, tuple[str, str]]]:
+    """The 2-D mesh scenarios, on 4 ranks, in one run."""
+    return rank_pool.run(_run_rank_scenarios, 4, [k.id for k in _HYBRID_KINDS])
+
+
+@pytest.mark.parametrize("kind", _HYBRID_KINDS, ids=lambda k: k.id)
+def test_bad_input_on_a_2d_mesh(
+    kind: Kind, hybrid_outcomes: list[dict[str, tuple[str, str]]]
+) -> None:
+    """All four ranks raise, though only rank 3's model differs."""
+    for outcome in hybrid_outcomes:
+        _check(kind, outcome[kind.id])
+    messages = [outcome[kind.id][1] for outcome in hybrid_outcomes]
+    assert "'0.weight' shape (8, 4)" in messages[3], messages[3]
 
 
 @pytest.mark.parametrize("kind", _LOCAL_KINDS, ids=lambda k: k.id)

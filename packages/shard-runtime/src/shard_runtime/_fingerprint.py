@@ -100,25 +100,22 @@ def check_same_model(units: Sequence[Unit], *, api: str) -> None:
     groups = [root.shard_group]
     if root.replicate_group is not None:
         groups.append(root.replicate_group)
-    entries: list[str] | None = None
-    for group in groups:
-        if group.size() == 1:
-            continue
-        if entries is None:
-            entries = describe_units(units)
-        _check_group(entries, group, root.compute_device, api)
+    if all(group.size() == 1 for group in groups):
+        return
+    _check_groups(describe_units(units), groups, root.compute_device, api)
 
 
 def check_same_tensors(
-    named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup, api: str
+    named: Sequence[tuple[str, torch.Tensor]], groups: Sequence[dist.ProcessGroup], api: str
 ) -> None:
-    """Raise ``ModelMismatchError`` unless every rank of ``group`` holds the same ``named`` tensors.
+    """Raise ``ModelMismatchError`` unless all ranks of ``groups`` hold the same ``named`` tensors.
 
     For collectives over a whole module before any unit exists (the
     wrapper's ``sync_module_states`` broadcast), compared by name, shape,
-    dtype and ``requires_grad``. See [Note: model fingerprints].
+    dtype and ``requires_grad``. ``groups``: a mesh's axis groups, shard
+    axis first. See [Note: model fingerprints].
     """
-    if not named or group.size() == 1 or os.environ.get(_ENV, "1") == "0":
+    if not named or all(g.size() == 1 for g in groups) or os.environ.get(_ENV, "1") == "0":
         return
     entries = [
         _param_entry(name, tuple(t.shape), t.dtype, t.requires_grad).replace(
@@ -126,7 +123,7 @@ def check_same_tensors(
         )
         for name, t in named
     ]
-    _check_group(entries, group, named[0][1].device, api)
+    _check_groups(entries, groups, named[0][1].device, api)
 
 
 def _digest(entries: list[str]) -> list[int]:
@@ -135,22 +132,57 @@ def _digest(entries: list[str]) -> list[int]:
     return [*words[:_DIGEST_WORDS], len(entries)]
 
 
-def _check_group(
-    entries: list[str], group: dist.ProcessGroup, device: torch.device, api: str
+def _check_groups(
+    entries: list[str], groups: Sequence[dist.ProcessGroup], device: torch.device, api: str
 ) -> None:
-    mine = torch.tensor(_digest(entries), dtype=torch.int64, device=device)
-    gathered = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
-    # Straight to torch, not through shard_comms: a set-up exchange, kept out of
-    # the per-step collective counters and profiler ranges.
-    dist.all_gather_single(gathered, mine, group=group)
-    digests = [tuple(row) for row in gathered.view(group.size(), -1).tolist()]
-    if len(set(digests)) == 1:
+    """Compare digests over each axis group in turn; every rank of the mesh reaches one verdict.
+
+    On a 2-D mesh a rank whose own row and column agree must still raise when
+    another row differs inside: each exchange carries a flag "my earlier
+    groups differed", so after the shard-axis then the replicate-axis
+    exchange every rank knows (each column holds one rank of every row).
+    """
+    digest = _digest(entries)
+    flagged = 0
+    seen: list[tuple[dist.ProcessGroup, list[tuple[int, ...]], list[int]]] = []
+    for group in groups:
+        if group.size() == 1:
+            continue
+        mine = torch.tensor([*digest, flagged], dtype=torch.int64, device=device)
+        gathered = torch.empty(group.size() * mine.numel(), dtype=torch.int64, device=device)
+        # Straight to torch, not through shard_comms: a set-up exchange, kept out of
+        # the per-step collective counters and profiler ranges.
+        dist.all_gather_single(gathered, mine, group=group)
+        rows = gathered.view(group.size(), -1).tolist()
+        digests = [tuple(row[:-1]) for row in rows]
+        flags = [row[-1] for row in rows]
+        if len(set(digests)) > 1 or any(flags):
+            flagged = 1
+        seen.append((group, digests, flags))
+    if not flagged:
         return
-    # Error path only: every rank saw the same digests, so every rank gets here.
-    described: list[list[str] | None] = [None] * group.size()
-    dist.all_gather_object(described, entries, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    raise ModelMismatchError(_message([d or [] for d in described], digests, ranks, api))
+    # Error path only. Every rank of a group saw the same digests, so the
+    # object exchanges below pair up (shard axis first, as above).
+    message = ""
+    for group, digests, _ in seen:
+        if len(set(digests)) == 1:
+            continue
+        described: list[list[str] | None] = [None] * group.size()
+        dist.all_gather_object(described, entries, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        message = message or _message([d or [] for d in described], digests, ranks, api)
+    if not message:
+        group, _, flags = seen[-1]
+        ranks = dist.get_process_group_ranks(group)
+        reporting = [r for r, f in zip(ranks, flags, strict=True) if f]
+        message = (
+            f"{api}: the ranks do not hold the same model: {_ranks(reporting)} found "
+            f"{'a difference within its' if len(reporting) == 1 else 'differences within their'} "
+            "shard group (the error there names the first difference and the ranks). "
+            "Every rank must build the same model (names, shapes, dtypes, requires_grad) and "
+            "shard the same modules in the same order."
+        )
+    raise ModelMismatchError(message)
 
 
 def _message(

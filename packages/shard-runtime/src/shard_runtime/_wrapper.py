@@ -577,8 +577,16 @@ def _prepare(
     compute_device = move_to_device(module, device_id, params)
     mesh = _mesh_for(strategy, process_group, device_mesh, auto_wrap, compute_device.type)
     if sync:
-        for axis in range(mesh.ndim - 1, -1, -1):
-            broadcast_module_states(module, mesh.get_group(axis), params, ignored_modules=modules)
+        axes = range(mesh.ndim - 1, -1, -1)
+        for axis in axes:
+            broadcast_module_states(
+                module,
+                mesh.get_group(axis),
+                params,
+                ignored_modules=modules,
+                # One model check over the whole mesh, before the first broadcast.
+                fingerprint_groups=[mesh.get_group(a) for a in axes] if axis == axes[0] else [],
+            )
     return _Shared(mesh, compute_device, modules, params)
 
 

@@ -33,7 +33,7 @@ PyTorch's wrapper it accepts CPU tensors (gloo broadcasts them).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -401,12 +401,17 @@ def sync_module_states(
     *,
     src: int = 0,
     ignored_modules: Collection[nn.Module] = frozenset(),
+    fingerprint_groups: Sequence[dist.ProcessGroup] | None = None,
 ) -> None:
     """Overwrite every rank's parameters and buffers with those of rank ``src``, in place.
 
     ``src`` is a rank within ``group``. Ignored parameters, the tensors of
     ``ignored_modules`` and of already-sharded modules are left alone. One
     broadcast per dtype; CPU tensors work. See [Note: One broadcast per dtype].
+    First the ranks of ``fingerprint_groups`` (``None``: ``group``; a mesh's
+    axis groups, shard axis first, on the first of several calls; ``[]``:
+    none) check that they hold the same tensors (see [Note: model
+    fingerprints] in ``_fingerprint.py``).
 
     Raises:
         ValueError: ``src`` is not a rank of ``group``; a tensor is on meta.
@@ -436,7 +441,11 @@ def sync_module_states(
         return
     # See [Note: model fingerprints] in _fingerprint.py: differing models would
     # otherwise meet in broadcasts of different sizes.
-    check_same_tensors(states, group, f"{_WHO}(sync_module_states=True)")
+    check_same_tensors(
+        states,
+        [group] if fingerprint_groups is None else fingerprint_groups,
+        f"{_WHO}(sync_module_states=True)",
+    )
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for _, t in states:
         if t.numel() > 0:
