@@ -2,16 +2,118 @@
 
 One row of ``CATALOGUE`` per kind of bad input: the scenario that builds it,
 the exact exception type it raises, text that must name the culprit (module,
-parameter, rank, path) and text that must say the fix. ``docs/bad-input.md``
-is generated from the table (``python integration_tests/test_bad_input_catalogue.py``
-rewrites it; a test checks it is current). The ``covered`` column names an
-older test of the same input where one exists: the catalogue calls the
-scenario again, compactly, so that the whole list is checked in one place.
+parameter, rank, path) and text that must say the fix. The list below is
+generated from the table (``python integration_tests/test_bad_input_catalogue.py``
+rewrites it; a test checks it is current). Where an older test covers the
+same input, the catalogue calls the scenario again, compactly, so that the
+whole list is checked in one place.
 
-Every multi-rank scenario runs in one ``rank_pool.run`` at world size 2:
+Every multi-rank scenario of one world size runs in one ``rank_pool.run``:
 each scenario catches its own exception and every rank raises at the same
 point (before any mismatched collective), so the process group stays in
 step and the pool's group is reused.
+
+The catalogue: each kind, then its exception [test id] and, where an older
+test covers the same input, that test's file:
+
+.. catalogue-start
+ 1. ranks whose models differ in a parameter's shape (fully_shard)
+    ModelMismatchError [shapes_differ]
+ 2. ranks whose models name their parameters differently
+    ModelMismatchError [names_differ]
+ 3. ranks with different wrap plans (fully_shard on different submodules)
+    ModelMismatchError [wrap_plans_differ]
+ 4. ranks that freeze different parameters
+    ModelMismatchError [requires_grad_differs]
+ 5. ranks whose models differ in shapes (FullyShardedDataParallel)
+    ModelMismatchError [wrapper_shapes_differ]
+ 6. ranks with different auto_wrap_policy decisions (FullyShardedDataParallel)
+    ModelMismatchError [wrapper_plans_differ]
+ 7. ranks whose models differ, with sync_module_states=True (found before the broadcast)
+    ModelMismatchError [wrapper_sync_models_differ]
+ 8. one rank's model differs on a 2-D (replicate, shard) mesh: every rank raises
+    ModelMismatchError [hybrid_one_rank_differs]
+ 9. one rank's model differs, HYBRID_SHARD with sync_module_states=True: every rank raises
+    ModelMismatchError [wrapper_hybrid_sync_one_rank_differs]
+10. a mesh whose size disagrees with the world
+    MeshError [mesh_size_vs_world], also shard-comms/tests/test_mesh.py
+11. fully_shard applied twice to one module
+    AssertionError [fully_shard_twice], also shard-runtime/tests/test_compat_fully_shard.py
+12. parameters of mixed dtypes in one unit (fully_shard)
+    TypeError [mixed_dtypes], also shard-runtime/tests/test_fully_shard_api.py
+13. parameters of mixed dtypes in one flat unit (FullyShardedDataParallel)
+    ValueError [wrapper_mixed_dtypes]
+14. an integer parameter in a floating-point unit
+    TypeError [integer_param_in_unit]
+15. integer parameters requiring grad (an integer param_dtype for trainable parameters)
+    LayoutError [integer_param_dtype]
+16. optimizer.step() before backward finished (in a backward hook)
+    OptimizerStepError [step_in_backward]
+17. parameters still on the meta device at the first forward
+    RuntimeError [meta_at_forward], also shard-runtime/tests/test_fully_shard_api.py
+18. fully_shard on a container with no forward (ModuleList)
+    ValueError [container_without_forward], also shard-runtime/tests/test_fully_shard_api.py
+19. a 0-d (scalar) parameter
+    LayoutError [scalar_parameter], also shard-runtime/tests/test_fully_shard_api.py
+20. a non-contiguous parameter
+    NotImplementedError [non_contiguous], also shard-runtime/tests/test_fully_shard_api.py
+21. a parameter shared by two units
+    ValueError [shared_across_units], also shard-runtime/tests/test_fully_shard_api.py
+22. reshard_after_forward as an int that does not divide the shard axis
+    ValueError [bad_reshard_size], also shard-runtime/tests/test_fully_shard_api.py
+23. a 2-D mesh without axis names
+    AssertionError [unnamed_2d_mesh], also shard-runtime/tests/test_fully_shard_api.py
+24. copy.deepcopy of a sharded module
+    AssertionError [deepcopy], also shard-runtime/tests/test_fully_shard_api.py
+25. fully_shard on something that is not a module
+    TypeError [not_a_module]
+26. fully_shard on an empty list
+    ValueError [empty_list]
+27. a submodule's forward run before its root's first forward
+    RuntimeError [inner_forward_first], also shard-runtime/tests/test_fully_shard_api.py
+28. a sharded parameter replaced by a plain (full) tensor
+    AttributeError [replaced_by_plain_tensor], also shard-runtime/tests/test_fully_shard_api.py
+29. register_fsdp_forward_method with a method the module lacks
+    ValueError [missing_forward_method], also shard-runtime/tests/test_compat_fully_shard.py
+30. a sharding_strategy that is not a ShardingStrategy
+    TypeError [wrapper_bad_strategy], also shard-runtime/tests/test_wrapper_api.py
+31. frozen and trainable parameters in one flat parameter
+    ValueError [wrapper_frozen_mix], also shard-runtime/tests/test_wrapper_api.py
+32. FullyShardedDataParallel over a module already sharded by fully_shard
+    ValueError [wrapper_over_fully_shard], also shard-runtime/tests/test_wrapper_api.py
+33. both process_group and device_mesh
+    ValueError [wrapper_group_and_mesh]
+34. a hybrid strategy given one process group
+    ValueError [wrapper_hybrid_plain_group]
+35. a wrap policy asked for by a name nobody registered
+    UnknownPluginNameError [unknown_wrap_policy], also shard-core/tests/test_registry.py
+36. DataParallelMeshDims with neither axis
+    ValueError [empty_mesh_dims]
+37. load of a checkpoint from a different model (other names)
+    CheckpointError [load_other_model], also shard-checkpoint/tests/test_storage.py
+38. load of a checkpoint from a different model (other shapes)
+    CheckpointError [load_other_shapes], also shard-checkpoint/tests/test_storage.py
+39. a truncated checkpoint data file
+    CheckpointError [truncated_data_file], also shard-checkpoint/tests/test_storage.py
+40. a corrupted (cut) .metadata file
+    CheckpointError [corrupt_metadata]
+41. a corrupted checkpoint data file (overwritten bytes)
+    CheckpointError [corrupt_data_file]
+42. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
+    CheckpointError [unwritable_directory]
+43. a checkpoint path under a file
+    CheckpointError [parent_not_a_directory]
+44. a full disk (ENOSPC) while saving; the previous checkpoint loads
+    CheckpointError [disk_full], also integration_tests/test_checkpoint_crash.py
+45. a checkpoint_id that is a file
+    CheckpointError [checkpoint_id_is_a_file], also shard-checkpoint/tests/test_storage.py
+46. a checkpoint_id that is a directory of other files
+    CheckpointError [directory_not_a_checkpoint], also shard-checkpoint/tests/test_storage.py
+47. load from a path with no checkpoint
+    CheckpointError [load_missing], also shard-checkpoint/tests/test_storage.py
+48. load of a checkpoint a failed save left incomplete
+    CheckpointError [load_incomplete], also shard-checkpoint/tests/test_storage.py
+.. catalogue-end
 """
 
 from __future__ import annotations
@@ -60,7 +162,8 @@ from shard_runtime import (
 from shard_runtime.wrap import ModuleWrapPolicy
 from shard_testing import RankPool
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
+HERE = Path(__file__).resolve()
+_START, _END = ".. catalogue-start\n", ".. catalogue-end\n"
 
 
 @dataclass(frozen=True)
@@ -972,7 +1075,7 @@ def test_the_catalogue_counts_at_least_30_kinds() -> None:
     assert {k.id for k in _RANK_KINDS} == set(RANK_SCENARIOS)
     assert {k.id for k in _LOCAL_KINDS} == set(LOCAL_SCENARIOS)
     assert {k.id for k in _HYBRID_KINDS} == set(HYBRID_SCENARIOS)
-    root = DOC.parents[1]
+    root = HERE.parents[1]
     for kind in CATALOGUE:
         if kind.covered:
             where = kind.covered if kind.covered.startswith("integration") else "packages/"
@@ -1044,33 +1147,29 @@ def test_model_mismatch_message_groups_the_ranks() -> None:
     ), message
 
 
-def _markdown() -> str:
-    lines = [
-        "# Bad input catalogue",
-        "",
-        "Generated from `integration_tests/test_bad_input_catalogue.py` (run it as a script to",
-        "rewrite this file). Each kind is tested: the exact exception type, and a message that",
-        "names the culprit and says the fix. *Covered* names an older test of the same input.",
-        "",
-        "| # | Bad input | Exception | Test id | Covered |",
-        "|---|---|---|---|---|",
-    ]
+def _listing() -> str:
+    """The catalogue as the module docstring lists it, one kind per line."""
+    lines = []
     for number, kind in enumerate(CATALOGUE, 1):
-        lines.append(
-            f"| {number} | {kind.what} | `{kind.error.__name__}` | `{kind.id}` | "
-            f"{kind.covered or 'new'} |"
-        )
-    return "\n".join(lines) + "\n"
+        lines.append(f"{number:2}. {kind.what}\n")
+        covered = f", also {kind.covered}" if kind.covered else ""
+        lines.append(f"    {kind.error.__name__} [{kind.id}]{covered}\n")
+    return "".join(lines)
+
+
+def _docstring_listing(text: str) -> str:
+    return text[text.index(_START) + len(_START) : text.index(_END)]
 
 
 def test_the_generated_list_is_current() -> None:
-    """docs/bad-input.md is the table above, rendered."""
-    assert DOC.read_text() == _markdown(), (
+    """The module docstring lists every kind of the table above, in order."""
+    assert _docstring_listing(HERE.read_text()) == _listing(), (
         "run python integration_tests/test_bad_input_catalogue.py"
     )
 
 
 if __name__ == "__main__":
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(_markdown())
-    sys.stdout.write(f"wrote {DOC} ({len(CATALOGUE)} kinds)\n")
+    text = HERE.read_text()
+    head, tail = text[: text.index(_START) + len(_START)], text[text.index(_END) :]
+    HERE.write_text(head + _listing() + tail)
+    sys.stdout.write(f"listed {len(CATALOGUE)} kinds in {HERE.name}\n")
