@@ -207,10 +207,10 @@ def _rank_main(rank: int, frontend: str, cfg: SoakConfig, tmp: str, queue: Any) 
     corpus = load_corpus()
     config = model_config(options, corpus.vocab_size)
     torch.manual_seed(cfg.seed)
-    model = GPT(config)
-    trace = RankTrace(rank=rank, parameters=sum(p.numel() for p in model.parameters()))
+    unsharded = GPT(config)
+    trace = RankTrace(rank=rank, parameters=sum(p.numel() for p in unsharded.parameters()))
     model, mesh = shard_model(
-        model,
+        unsharded,
         frontend=options.frontend,
         strategy="full",
         layout=shard_layout("full", cfg.world_size),
