@@ -22,7 +22,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -138,6 +138,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
         "SHARD_FLIGHT_RECORDER_DUMP": "",
     }
     stores = []
+    logs: list[IO[bytes]] = []
     procs: dict[str, list[subprocess.Popen[bytes]]] = {}
     for scenario in SCENARIOS:
         store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
@@ -145,22 +146,18 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
         scenario_env = dict(env)
         if scenario == "diverge_forward":
             scenario_env["SHARD_FLIGHT_RECORDER_DUMP"] = str(root / "dump")
-        procs[scenario] = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    __file__,
-                    scenario,
-                    str(rank),
-                    str(store.port),
-                    str(root / f"{scenario}.{rank}.json"),
-                ],
-                env=scenario_env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
+        procs[scenario] = []
+        for rank in range(2):
+            logs.append((root / f"{scenario}.{rank}.err").open("wb"))  # a file never blocks
+            command = [sys.executable, __file__, scenario, str(rank), str(store.port)]
+            procs[scenario].append(
+                subprocess.Popen(
+                    [*command, str(root / f"{scenario}.{rank}.json")],
+                    env=scenario_env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=logs[-1],
+                )
             )
-            for rank in range(2)
-        ]
     deadline = time.monotonic() + BOUND_S
     results: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -178,16 +175,16 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
                 if path.exists():
                     results[scenario].append(json.loads(path.read_text()))
                 else:
-                    err = proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-                    results[scenario].append({"exit": code, "stderr": err})
+                    err = (root / f"{scenario}.{rank}.err").read_text(errors="replace")
+                    results[scenario].append({"exit": code, "stderr": err[-2000:]})
     finally:
         for ranks in procs.values():
             for proc in ranks:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-                if proc.stderr is not None:
-                    proc.stderr.close()
+        for log in logs:
+            log.close()
     results["_dump"] = [{"dir": str(root / "dump")}]
     return results
 
