@@ -171,3 +171,19 @@ def test_collectives_record_op_label_phase_step_and_complete_on_wait(rank_pool: 
             ("all_reduce", "root", "all-reduce", 5, "completed", 1),
             ("reduce_scatter", "layers.0", "reduce-scatter", 5, "completed", 2),
         ]
+
+
+def test_a_failure_while_comparing_records_still_reports_the_backend_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If reading the records breaks, the CollectiveError still names the op and the cause."""
+
+    def broken(*args: object) -> None:
+        raise OSError("store on fire")
+
+    monkeypatch.setattr(_diagnose, "_publish_and_gather", broken)
+    entry = sc.FlightRecorder(4).issue("all_reduce", "root", None, None, 2, 8, torch.float32)
+    error = _diagnose.collective_failure(entry, RuntimeError("Connection closed by peer"))
+    assert isinstance(error, CollectiveError)
+    assert "all-reduce of `root` (all-reduce, step 0, seq 0) raised RuntimeError" in str(error)
+    assert "could not be compared: OSError: store on fire" in str(error)

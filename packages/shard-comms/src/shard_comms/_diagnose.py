@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from shard_comms._flight import FlightEntry, flight_recorder
+from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder
 from shard_core.errors import CollectiveError, CommError
 
 __all__ = [
@@ -230,8 +230,21 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
 
     Marks the entry failed, exchanges records with the peers (see [Note:
     Exchanging records through the store]) and returns the exception to
-    raise; the caller raises it ``from error``.
+    raise; the caller raises it ``from error``. Whatever goes wrong while
+    reading the records, the backend's error is still reported.
     """
+    try:
+        return _diagnose(entry, error)
+    except Exception as problem:
+        FlightRecorder.fail(entry)
+        return CollectiveError(
+            f"collective failed: {describe_entry(entry.as_dict() if entry else None)} raised "
+            f"{type(error).__name__}: {error}\n  (the flight records could not be compared: "
+            f"{type(problem).__name__}: {problem})"
+        )
+
+
+def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveError:
     global _reported
     recorder = flight_recorder()
     recorder.fail(entry)
