@@ -79,12 +79,10 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from queue import Empty
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -93,6 +91,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, Block, GPTConfig, synthetic_tokens
+from spawn import run_ranks
 
 IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
 FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
@@ -514,36 +513,11 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
 def _run_impl(impl: str, cfg: BenchConfig) -> list[RankResult]:
     """One run of ``impl`` in fresh processes; its ranks' results, by rank."""
     world = 1 if impl == "single" else cfg.world_size
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    results: list[RankResult] = []
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [
-            ctx.Process(target=_rank_main, args=(rank, impl, cfg, init_file, queue))
-            for rank in range(world)
-        ]
-        for proc in procs:
-            proc.start()
-        try:
-            while len(results) < world:
-                try:
-                    results.append(queue.get(timeout=1.0))
-                except Empty:
-                    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-                    if failed:
-                        rank, code = failed[0]
-                        raise RuntimeError(
-                            f"{impl}: rank {rank} exited with code {code} before reporting; "
-                            "its traceback is above"
-                        ) from None
-            for proc in procs:
-                proc.join()
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join()
+        results = run_ranks(
+            impl, world, _rank_main, lambda rank, queue: (rank, impl, cfg, init_file, queue)
+        )
     return sorted(results, key=lambda r: r.rank)
 
 

@@ -63,14 +63,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from queue import Empty
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spawn import run_ranks
 
 FRONTENDS = ("fully_shard", "wrapper")
 
@@ -280,35 +282,13 @@ def _rank_entry(rank: int, frontend: str, cfg: SoakConfig, tmp: str, queue: Any)
 
 def _run(frontend: str, cfg: SoakConfig) -> list[RankTrace]:
     """One front end in fresh processes; its ranks' traces, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    traces: list[RankTrace] = []
     with tempfile.TemporaryDirectory(prefix="soak_") as tmp:
-        procs = [
-            ctx.Process(target=_rank_entry, args=(rank, frontend, cfg, tmp, queue))
-            for rank in range(cfg.world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        try:
-            while len(traces) < cfg.world_size:
-                try:
-                    traces.append(queue.get(timeout=1.0))
-                except Empty:
-                    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode]
-                    if failed:
-                        rank, code = failed[0]
-                        raise RuntimeError(
-                            f"{frontend}: rank {rank} exited with status {code} before "
-                            "reporting; its traceback is above"
-                        ) from None
-            for proc in procs:
-                proc.join()
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-                    proc.join()
+        traces = run_ranks(
+            frontend,
+            cfg.world_size,
+            _rank_entry,
+            lambda rank, queue: (rank, frontend, cfg, tmp, queue),
+        )
     return sorted(traces, key=lambda t: t.rank)
 
 
