@@ -23,6 +23,15 @@ stuck outside any collective (a ``time.sleep``, an endless loop). Only the
 first failure of a process waits: the ones that follow (a step's cleanup
 waiting on the same broken group) read what is there and go on.
 
+[Note: A launcher's SIGTERM during the exchange]
+When a rank dies, an elastic launcher (torchrun, ``shard train``) terminates
+the others within its monitor interval, usually before they have read their
+peers' records: the named failure would never reach the console. So while
+the records are exchanged, SIGTERM is held (only where its handler is the
+default one, on the main thread); if one came, the finished message is
+logged and the signal delivered again, so the rank still ends as the
+launcher asked, a few seconds later.
+
 ``SHARD_FLIGHT_RECORDER_DUMP=DIR`` also writes every failing rank's whole
 record to ``DIR/flight_rank<r>.json``; ``shard debug flight DIR`` prints them
 side by side (:func:`format_flight_table`).
@@ -30,11 +39,14 @@ side by side (:func:`format_flight_table`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +220,26 @@ def _publish_and_gather(
         time.sleep(_POLL_S)
 
 
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[list[int]]:
+    """Hold SIGTERM inside the block; the list says whether one came.
+
+    See [Note: A launcher's SIGTERM during the exchange].
+    """
+    held: list[int] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield held
+        return
+    signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _dump(rank: int, payload: Mapping[str, Any]) -> str | None:
     directory = os.environ.get(_DUMP_ENV, "").strip()
     if not directory:
@@ -269,7 +301,8 @@ def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveErro
         reason,
         wait,
     )
-    answered, missing, store_problem = _publish_and_gather(store, rank, peers, payload, wait)
+    with _sigterm_held() as terminated:
+        answered, missing, store_problem = _publish_and_gather(store, rank, peers, payload, wait)
     dumped = _dump(rank, payload)
 
     lines = [
@@ -301,7 +334,11 @@ def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveErro
         "rank-dependent control flow around sharded modules), and check the named rank's log; "
         f"set {_DUMP_ENV}=DIR and run `shard debug flight DIR` for the full record"
     )
-    return CollectiveError("\n  ".join(lines))
+    failure = CollectiveError("\n  ".join(lines))
+    if terminated:
+        _LOG.error("%s", failure)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action again: end as asked
+    return failure
 
 
 def load_flight_dump(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
