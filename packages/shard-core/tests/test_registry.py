@@ -384,7 +384,8 @@ def test_unknown_device_type_names_the_distribution_to_install(
         registry().device_handle(device_type)
     assert str(info.value) == (
         f"no shard plugin serves device type {device_type!r}: install {distribution} "
-        f"(pip install {distribution})"
+        f"from the shard repository (pip install ./plugins/{distribution} in a checkout; the "
+        "shard names on PyPI belong to unrelated projects)"
     )
 
 

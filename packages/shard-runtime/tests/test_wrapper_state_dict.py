@@ -172,7 +172,8 @@ def test_full_state_dict_without_shard_checkpoint_says_to_install_it(
 ) -> None:
     """With shard-checkpoint's plugin blocked, FULL state_dict() names the distribution."""
     for result in rank_pool.run(_without_plugin, 2):
-        assert "Install shard-checkpoint (pip install shard-checkpoint)" in result
+        hint = "Install shard-checkpoint from the shard repository (pip install ./packages/"
+        assert hint in result
         assert result.startswith(
             "no shard plugin provides the state dicts of FullyShardedDataParallel"
         )
@@ -181,7 +182,8 @@ def test_full_state_dict_without_shard_checkpoint_says_to_install_it(
 def test_registry_without_a_backend_says_to_install_shard_checkpoint() -> None:
     """A registry whose plugins provide no backend raises, naming shard-checkpoint."""
     registry = Registry(make_plugin_manager(load_entry_points=False))
-    with pytest.raises(UnknownPluginNameError, match=r"Install shard-checkpoint \(pip install"):
+    hint = r"Install shard-checkpoint from the shard repository \(pip install \./packages/"
+    with pytest.raises(UnknownPluginNameError, match=hint):
         registry.state_dict_backend()
 
 

@@ -119,6 +119,7 @@ def load_corpus(packages: tuple[str, ...] = CORPUS_PACKAGES) -> CharCorpus:
     if not parts:
         raise RuntimeError(
             f"found no Python sources for {', '.join(packages)} to train on; install the "
-            "shard packages from source (pip install shard-cli, not a zipped build)"
+            "shard packages from a shard checkout (pip install ./packages/shard-cli; not a "
+            "zipped build, nor PyPI's unrelated shard-cli)"
         )
     return CharCorpus.from_text("\n".join(parts))

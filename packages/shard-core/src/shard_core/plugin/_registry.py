@@ -47,6 +47,15 @@ _DEVICE_DISTRIBUTIONS = {
 }
 """The distribution that provides the device handle of each well-known device type."""
 
+
+def _from_repository(distribution: str, folder: str = "plugins") -> str:
+    """How to install ``distribution``: from this repository, as PyPI's shard names are not ours."""
+    return (
+        f"from the shard repository (pip install ./{folder}/{distribution} in a checkout; "
+        "the shard names on PyPI belong to unrelated projects)"
+    )
+
+
 _T = TypeVar("_T")
 
 
@@ -198,7 +207,7 @@ class Registry:
         raise UnknownPluginNameError(
             "no shard plugin provides the state dicts of FullyShardedDataParallel (full and "
             f"sharded); plugins asked: {', '.join(self.plugin_names())}. Install "
-            "shard-checkpoint (pip install shard-checkpoint), or use "
+            f"shard-checkpoint {_from_repository('shard-checkpoint', 'packages')}, or use "
             "StateDictType.LOCAL_STATE_DICT, which needs no plugin"
         )
 
@@ -342,7 +351,7 @@ class Registry:
             for origin, reason in self._pm.not_loaded():
                 if origin.distribution == distribution:
                     return f"{base}: {distribution} is installed but was not loaded ({reason})"
-        return f"{base}: install {distribution} (pip install {distribution})"
+        return f"{base}: install {distribution} {_from_repository(distribution)}"
 
 
 def _mapping_problem(answer: object, values: str) -> str | None:
