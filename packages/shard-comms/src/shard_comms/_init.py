@@ -26,19 +26,26 @@ import torch.distributed as dist
 # Not re-exported by torch.distributed on Windows.
 from torch._C._distributed_c10d import HashStore
 
-from shard_comms._device import get_device_handle
-from shard_core.errors import DistributedInitError
+from shard_comms._device import current_accelerator_type, get_device_handle
+from shard_core import get_registry
+from shard_core.errors import DistributedInitError, UnknownPluginNameError
 from shard_core.protocols import DeviceHandle
 
 __all__ = [
     "DistributedState",
     "InitPlan",
     "LaunchEnv",
+    "SHARD_DEVICE_ENV",
     "choose_backend",
     "init_distributed",
     "parse_launch_env",
     "plan_init",
+    "resolve_device_handle",
 ]
+
+
+SHARD_DEVICE_ENV = "SHARD_DEVICE"
+"""Environment variable naming the device type when ``init_distributed`` is given none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +223,53 @@ def plan_init(
     )
 
 
+def _visible_accelerator() -> str | None:
+    """The accelerator type torch sees (``torch.accelerator``, then CUDA), or ``None``."""
+    accelerator = current_accelerator_type()
+    if accelerator is None and torch.cuda.is_available():
+        accelerator = "cuda"
+    return None if accelerator == "cpu" else accelerator
+
+
+def _unserved_accelerator_message(accelerator: str) -> str:
+    """Why ``accelerator`` got the CPU handle: no plugin for it, or its plugin declined."""
+    opt_out = f"or set {SHARD_DEVICE_ENV}=cpu (or pass device_type='cpu') to run on the CPU"
+    try:
+        handle = get_registry().device_handle(accelerator)
+    except UnknownPluginNameError as error:
+        return (
+            f"a {accelerator!r} accelerator is visible but shard would run on the CPU with "
+            f"gloo: {error}; {opt_out}"
+        )
+    return (
+        f"a {accelerator!r} accelerator is visible but its shard device handle "
+        f"({type(handle).__name__}) reports it unusable, so shard would run on the CPU with "
+        f"gloo; check the driver and that this build of torch supports {accelerator!r}, "
+        f"{opt_out}"
+    )
+
+
+def resolve_device_handle(
+    device_type: str | None = None, environ: Mapping[str, str] | None = None
+) -> DeviceHandle:
+    """The handle ``init_distributed`` uses: never the CPU's by accident on an accelerator.
+
+    ``device_type`` (else ``SHARD_DEVICE`` in ``environ``, ``os.environ`` when
+    ``None``) picks the handle explicitly. Without either, the current
+    accelerator's handle; if torch sees an accelerator but that resolves to the
+    CPU (no plugin serves it, or its plugin finds it unusable), a
+    :class:`~shard_comms.DistributedInitError` naming the distribution to install.
+    """
+    env = os.environ if environ is None else environ
+    wanted = device_type if device_type is not None else (env.get(SHARD_DEVICE_ENV) or None)
+    handle = get_device_handle(wanted)
+    if wanted is None and handle.device_type == "cpu":
+        accelerator = _visible_accelerator()
+        if accelerator is not None:
+            raise DistributedInitError(_unserved_accelerator_message(accelerator))
+    return handle
+
+
 _LOCK = threading.Lock()
 _STATE: DistributedState | None = None
 # The default group _STATE describes; a group created after a destroy is adopted afresh.
@@ -277,8 +331,10 @@ def init_distributed(
             handle's (NCCL on CUDA) when an accelerator is usable, else gloo.
         timeout: Collective timeout, in seconds or as a ``timedelta``; ``None``
             keeps torch's default.
-        device_type: The device type whose handle decides; ``None`` resolves the
-            current accelerator (see :func:`get_device_handle`).
+        device_type: The device type whose handle decides; ``None`` reads
+            ``SHARD_DEVICE``, else resolves the current accelerator (see
+            :func:`resolve_device_handle`: an accelerator no plugin serves is an
+            error, not a silent CPU run).
 
     Sets the current device to ``LOCAL_RANK`` on accelerators. A second call
     returns the same state; one whose arguments contradict the existing
@@ -295,7 +351,7 @@ def init_distributed(
                 _STATE, _STATE_GROUP = _adopt(device_type), world
             _check_compatible(_STATE, backend, wanted_timeout, device_type)
             return _STATE
-        handle = get_device_handle(device_type)
+        handle = resolve_device_handle(device_type)
         plan = plan_init(parse_launch_env(), handle, backend=backend, timeout=wanted_timeout)
         if plan.device.type != "cpu":
             handle.set_device(plan.device)
