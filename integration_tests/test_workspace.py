@@ -151,6 +151,45 @@ def test_dependencies_on_our_packages_are_version_ranges(distribution: str) -> N
         assert requirement.specifier.contains(version), (distribution, str(requirement), version)
 
 
+def _dev_torch_pin() -> Version:
+    """The one torch version the development environment (and so CI) installs and tests."""
+    dev = _pyproject(ROOT / "pyproject.toml")["tool"]["hatch"]["envs"]["dev"]
+    pins = [Requirement(text) for text in dev["dependencies"]]
+    (torch,) = [r for r in pins if r.name == "torch"]
+    (spec,) = torch.specifier
+    assert spec.operator == "==", f"the dev environment must pin torch exactly, not {torch}"
+    return Version(spec.version)
+
+
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_torch_lower_bound_is_the_tested_version(distribution: str) -> None:
+    """Each distribution declares torch >= the version CI tests (no untested older torch), < 3."""
+    requirements = [Requirement(text) for text in _project(distribution)["dependencies"]]
+    (torch,) = [r for r in requirements if r.name == "torch"]
+    lower = [Version(s.version) for s in torch.specifier if s.operator == ">="]
+    upper = [Version(s.version) for s in torch.specifier if s.operator == "<"]
+    pin = _dev_torch_pin()
+    assert lower == [Version(f"{pin.major}.{pin.minor}")], (distribution, str(torch), str(pin))
+    assert upper == [Version("3")], (distribution, str(torch))
+
+
+def test_every_src_package_is_typed() -> None:
+    """Every importable package under packages/*/src and plugins/*/src ships a py.typed."""
+    roots = [
+        package
+        for group in ("packages", "plugins")
+        for package in (ROOT / group).glob("*/src/*")
+        if (package / "__init__.py").is_file()
+    ]
+    assert len(roots) == len(DISTRIBUTIONS)
+    assert [p.relative_to(ROOT).as_posix() for p in roots if not (p / "py.typed").is_file()] == []
+
+
+def test_shard_runtime_brings_the_cuda_device_plugin() -> None:
+    """Installing shard-runtime on a GPU machine brings shard-device-cuda (no silent CPU run)."""
+    assert "shard-device-cuda" in _own_dependencies("packages/shard-runtime")
+
+
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_source_imports_only_lower_layers(distribution: str) -> None:
     """src/ imports shard packages it depends on (transitively) only; plugins need shard-core."""
