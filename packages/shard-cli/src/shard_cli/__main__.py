@@ -38,7 +38,29 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--preset", choices=list(PRESETS), help=f"model size (default {defaults.preset}): {presets}"
     )
-    p.add_argument("--nproc", type=int, help=f"local ranks to launch (default {defaults.nproc})")
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        type=int,
+        help=f"local ranks to launch, as torchrun spells it (default {defaults.nproc})",
+    )
+    p.add_argument("--model", help="module:factory returning your nn.Module (token ids -> logits)")
+    p.add_argument(
+        "--hf-config",
+        dest="hf_config",
+        help="a local config.json of a transformers causal LM (needs transformers)",
+    )
+    p.add_argument(
+        "--data",
+        help="a UTF-8 text file (characters) or a .bin of token ids (default: shard's sources)",
+    )
+    p.add_argument(
+        "--data-dtype",
+        dest="data_dtype",
+        choices=("uint16", "uint32"),
+        help="element type of a .bin --data (default uint16)",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     p.add_argument("--batch", type=int, help="sequences per rank per step (default: the preset's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")

@@ -18,10 +18,11 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["CORPUS_PACKAGES", "CharCorpus", "load_corpus"]
+__all__ = ["CORPUS_PACKAGES", "TOKEN_DTYPES", "CharCorpus", "TokenFile", "load_corpus", "load_data"]
 
 CORPUS_PACKAGES: tuple[str, ...] = (
     "shard_core",
@@ -48,9 +49,10 @@ class CharCorpus:
     tokens: torch.Tensor = field(repr=False)
 
     @classmethod
-    def from_text(cls, text: str) -> CharCorpus:
-        """The corpus of ``text`` (non-ASCII characters dropped)."""
-        text = "".join(ch for ch in text if ch.isascii())
+    def from_text(cls, text: str, *, ascii_only: bool = True) -> CharCorpus:
+        """The corpus of ``text`` (non-ASCII characters dropped unless ``ascii_only`` is false)."""
+        if ascii_only:
+            text = "".join(ch for ch in text if ch.isascii())
         vocab = "".join(sorted(set(text)))
         index = {ch: i for i, ch in enumerate(vocab)}
         tokens = torch.tensor([index[ch] for ch in text], dtype=torch.long)
@@ -88,11 +90,115 @@ class CharCorpus:
                 f"the corpus has {len(self.tokens)} characters, too few for sequences of "
                 f"{seq}; use a shorter --seq"
             )
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
-        starts = torch.randint(0, len(self.tokens) - seq - 1, (batch,), generator=generator)
+        starts = _starts(len(self.tokens), step=step, rank=rank, batch=batch, seq=seq, seed=seed)
         rows = starts.unsqueeze(1) + torch.arange(seq + 1).unsqueeze(0)
         window = self.tokens[rows]
         return window[:, :-1], window[:, 1:]
+
+
+def _starts(length: int, *, step: int, rank: int, batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Where the ``batch`` windows of ``step`` on ``rank`` start; see [Note: batches ...]."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 65_537 + rank)
+    return torch.randint(0, length - seq - 1, (batch,), generator=generator)
+
+
+TOKEN_DTYPES: tuple[str, ...] = ("uint16", "uint32")
+"""Element types of a ``.bin`` token file (``--data-dtype``)."""
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """A flat binary file of token ids (nanoGPT's ``train.bin``), memory-mapped, never loaded.
+
+    Attributes:
+        path: The file.
+        dtype: ``uint16`` or ``uint32``, native byte order.
+        length: Number of tokens.
+        vocab_size: The largest token id plus one (read once, at open).
+    """
+
+    path: str
+    dtype: str
+    length: int
+    vocab_size: int
+
+    @classmethod
+    def open(cls, path: str | Path, dtype: str = "uint16") -> TokenFile:
+        """The token file at ``path``.
+
+        Raises:
+            ValueError: ``dtype`` is not one of :data:`TOKEN_DTYPES`, or the
+                file's size is not a multiple of its element size, or it is empty.
+        """
+        if dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"--data-dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}"
+            )
+        tokens = _memmap(path, dtype)
+        if len(tokens) == 0:
+            raise ValueError(f"--data {str(path)!r} holds no tokens")
+        return cls(
+            path=str(path), dtype=dtype, length=len(tokens), vocab_size=int(tokens.max()) + 1
+        )
+
+    def batch(
+        self, *, step: int, rank: int, batch: int, seq: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of ``step`` on ``rank``, as :meth:`CharCorpus.batch`."""
+        import numpy as np
+
+        if self.length <= seq + 1:
+            raise ValueError(
+                f"--data {self.path!r} has {self.length} tokens, too few for sequences of "
+                f"{seq}; use a shorter --seq"
+            )
+        tokens = _memmap(self.path, self.dtype)
+        starts = _starts(self.length, step=step, rank=rank, batch=batch, seq=seq, seed=seed)
+        window = torch.from_numpy(
+            np.stack([tokens[s : s + seq + 1] for s in starts.tolist()]).astype(np.int64)
+        )
+        return window[:, :-1], window[:, 1:]
+
+
+def _memmap(path: str | Path, dtype: str) -> Any:
+    import numpy as np
+
+    size = np.dtype(dtype).itemsize
+    bytes_ = Path(path).stat().st_size
+    if bytes_ % size:
+        raise ValueError(
+            f"--data {str(path)!r} has {bytes_} bytes, not a whole number of {dtype} tokens; "
+            "pass the --data-dtype it was written with"
+        )
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def load_data(path: str | None, dtype: str = "uint16") -> CharCorpus | TokenFile:
+    """What ``--data`` names: shard's sources (``None``), a ``.bin`` of token ids, or a text file.
+
+    A text file is read as UTF-8 and tokenized one character per token, its
+    vocabulary the characters it holds (sorted).
+
+    Raises:
+        ValueError: the file does not exist, is not UTF-8, or is too small.
+    """
+    if path is None:
+        return load_corpus()
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--data {path!r} is not a file; pass a UTF-8 text file or a .bin")
+    if file.suffix == ".bin":
+        return TokenFile.open(file, dtype)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--data {path!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); a file "
+            "of token ids must end in .bin"
+        ) from exc
+    if not text:
+        raise ValueError(f"--data {path!r} is empty")
+    return CharCorpus.from_text(text, ascii_only=False)
 
 
 def _source_files(package: str) -> list[Path]:

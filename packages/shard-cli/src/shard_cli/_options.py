@@ -94,6 +94,14 @@ class TrainOptions:
             every rank after one fails; each restart resumes from the run's
             last complete checkpoint (see ``_train.py``, [Note: restarts]).
             Ignored under ``torchrun``, which takes its own ``--max-restarts``.
+        model: ``module:factory`` of the user's model instead of the preset's
+            GPT (see ``_model_source.py``); its import path is recorded, so a
+            resume checks it.
+        hf_config: A local ``config.json`` of a ``transformers`` causal LM
+            instead of the preset's GPT.
+        data: A UTF-8 text file (one character per token) or a ``.bin`` of
+            token ids; ``None``: shard's own sources.
+        data_dtype: Element type of a ``.bin`` file: ``uint16`` or ``uint32``.
     """
 
     preset: str = "small"
@@ -120,9 +128,25 @@ class TrainOptions:
     measure_step: int | None = None
     timeout_s: float = 300.0
     max_restarts: int = 0
+    model: str | None = None
+    hf_config: str | None = None
+    data: str | None = None
+    data_dtype: str = "uint16"
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
+        if self.model and self.hf_config:
+            raise ValueError("give one model, got --model and --hf-config")
+        if self.model or self.hf_config:
+            sizes = {"d_model": self.d_model, "heads": self.n_heads, "layers": self.n_layers}
+            set_ = [f"--{name.replace('_', '-')}" for name, value in sizes.items() if value]
+            if set_:
+                raise ValueError(
+                    f"{' and '.join(set_)} size the preset's GPT, not --model or --hf-config; "
+                    "size your own model in its factory or config"
+                )
+        if self.data_dtype not in ("uint16", "uint32"):
+            raise ValueError(f"--data-dtype must be uint16 or uint32, got {self.data_dtype!r}")
         choices = (
             ("frontend", self.frontend, FRONTENDS),
             ("strategy", self.strategy, STRATEGIES),

@@ -55,12 +55,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._checkpoint import launch_id, load_training, read_info, save_training
-from shard_cli._corpus import CharCorpus, load_corpus
+from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
+from shard_cli._model_source import ModelSource, load_model_source, logits_from
 from shard_cli._options import TrainOptions
 from shard_cli._plan import (
     MemoryEstimate,
@@ -202,23 +204,70 @@ def model_config(options: TrainOptions, vocab_size: int) -> GPTConfig:
     )
 
 
-def predict(
-    config: GPTConfig, options: TrainOptions, world: int, rank: int = 0
-) -> tuple[MemoryEstimate, MemoryEstimate]:
-    """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process."""
-    with torch.device("meta"):
-        units = plan_model_units(GPT(config), resolve_policy(options.wrap_policy))
-    names = [u.name for u in units]
+def gpt_source(config: GPTConfig, preset: str) -> ModelSource:
+    """The preset's GPT as a model source (its vocabulary is the data's)."""
+    return ModelSource(
+        description=f"preset {preset}",
+        build=lambda: GPT(config),
+        vocab_size=config.vocab_size,
+        seq=config.seq_len,
+        batch=0,
+        logits_of=None,
+        default_policy="blocks",
+    )
 
-    def profile(dtype: torch.dtype) -> ActivationProfile:
-        return lm_activation_profile(
-            lambda: GPT(config),
-            names,
-            batch=options.batch,
-            seq=options.seq,
-            vocab_size=config.vocab_size,
-            dtype=dtype,
+
+def wrap_policy_name(options: TrainOptions, source: ModelSource) -> str:
+    """The wrap policy of the run: ``blocks`` means the source's default for a user's model.
+
+    ``blocks`` names shard's GPT blocks, which a user's model does not have;
+    its default (the ``transformer`` policy when registered: each repeated
+    layer a unit) is what ``shard plan --wrap-policy auto`` picks for it, and
+    a model without repeated layers (the policy finds none) is one unit.
+    """
+    if options.wrap_policy != "blocks" or not (options.model or options.hf_config):
+        return options.wrap_policy
+    if source.default_policy == "none":
+        return "none"
+    try:
+        with torch.device("meta"):
+            plan_model_units(source.build(), resolve_policy(source.default_policy))
+    except ShardError:
+        return "none"
+    return source.default_policy
+
+
+def predict(
+    source: ModelSource, options: TrainOptions, world: int, rank: int = 0, policy: str = ""
+) -> tuple[MemoryEstimate, MemoryEstimate]:
+    """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process.
+
+    A user's model whose fake forward fails is estimated without activations.
+    """
+    with torch.device("meta"):
+        units = plan_model_units(
+            source.build(), resolve_policy(policy or wrap_policy_name(options, source))
         )
+    names = [u.name for u in units]
+    vocab = source.vocab_size
+
+    def profile(dtype: torch.dtype) -> ActivationProfile | None:
+        if vocab is None:
+            return None
+        try:
+            return lm_activation_profile(
+                source.build,
+                names,
+                batch=options.batch,
+                seq=options.seq,
+                vocab_size=vocab,
+                dtype=dtype,
+                logits_of=source.logits_of,
+            )
+        except Exception:  # a user's model the fake forward cannot run
+            if source.logits_of is None:  # shard's own GPT: a bug, say it
+                raise
+            return None
 
     plan_config = PlanConfig(
         frontend=options.frontend,
@@ -250,11 +299,18 @@ class _Run:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         self.run_dir = Path(options.run_dir)
-        self.corpus: CharCorpus = load_corpus()
-        self.config = model_config(options, self.corpus.vocab_size)
+        self.corpus: CharCorpus | TokenFile = load_data(options.data, options.data_dtype)
+        self.config: GPTConfig | None = None
+        if options.model or options.hf_config:
+            self.source = load_model_source(model=options.model, hf_config=options.hf_config)
+        else:
+            self.config = model_config(options, self.corpus.vocab_size)
+            self.source = gpt_source(self.config, options.preset)
         self._check_vocab()
         torch.manual_seed(options.seed)
-        model = GPT(self.config)
+        model = self.source.build()
+        self.vocab_size = self._model_vocab(model)
+        self.policy = wrap_policy_name(options, self.source)
         self.parameters = sum(p.numel() for p in model.parameters())
         layout = shard_layout(options.strategy, self.world, options.shard_size)
         self.model, self.mesh = shard_model(
@@ -264,7 +320,7 @@ class _Run:
             layout=layout,
             precision=options.precision,
             cpu_offload=options.cpu_offload,
-            policy=resolve_policy(options.wrap_policy),
+            policy=resolve_policy(self.policy),
             device=self.device,
         )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=options.lr)
@@ -276,15 +332,46 @@ class _Run:
 
     # ------------------------------------------------------------------ setup
 
+    def _data_vocab(self) -> str | int:
+        """What the data's tokens are: its characters, or a token file's vocabulary size."""
+        return self.corpus.vocab if isinstance(self.corpus, CharCorpus) else self.corpus.vocab_size
+
+    def _model_vocab(self, model: nn.Module) -> int:
+        """The model's vocabulary (logits per token); an error when the data's does not fit.
+
+        A factory's model says it only through its output, so one token goes through it.
+        """
+        vocab = self.source.vocab_size
+        if vocab is None:
+            with torch.no_grad():
+                vocab = int(self._logits(model, torch.zeros(1, 1, dtype=torch.long)).shape[-1])
+        if vocab < self.corpus.vocab_size:
+            data = self.options.data or "shard's sources"
+            raise ValueError(
+                f"{self.source.description} has a vocabulary of {vocab} tokens but the data "
+                f"({data}) has {self.corpus.vocab_size}; give the model a vocabulary of at "
+                f"least {self.corpus.vocab_size} (vocab_size in its config or factory)"
+            )
+        return vocab
+
+    def _logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return logits_from(model(tokens))
+
     def _check_vocab(self) -> None:
         path = self.run_dir / "model.json"
         if self.options.resume and path.is_file():
-            stored = json.loads(path.read_text(encoding="utf-8"))["vocab"]
-            if stored != self.corpus.vocab:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            if stored.get("source", self.source.description) != self.source.description:
                 raise RuntimeError(
-                    f"--resume: the training text's characters changed since {self.run_dir} "
-                    "was started (shard's sources were edited), so the checkpoint's embedding "
-                    "does not fit; start a new run with another --run-dir"
+                    f"--resume: {self.run_dir} trained {stored['source']}, not "
+                    f"{self.source.description}; resume with the same model, or start a new "
+                    "run with another --run-dir"
+                )
+            if stored["vocab"] != self._data_vocab():
+                raise RuntimeError(
+                    f"--resume: the training data's tokens changed since {self.run_dir} "
+                    "was started (its file, or shard's sources, were edited), so the "
+                    "checkpoint's embedding does not fit; start a new run with another --run-dir"
                 )
 
     def prepare(self) -> None:
@@ -306,8 +393,10 @@ class _Run:
             (self.run_dir / "model.json").write_text(
                 json.dumps(
                     {
-                        "config": asdict(self.config),
-                        "vocab": self.corpus.vocab,
+                        "source": self.source.description,
+                        "config": asdict(self.config) if self.config else None,
+                        "vocab": self._data_vocab(),
+                        "vocab_size": self.vocab_size,
                         "parameters": self.parameters,
                     },
                     indent=2,
@@ -336,8 +425,8 @@ class _Run:
     def _step(self, step: int) -> torch.Tensor:
         """Batch, forward, backward, optimizer step; see [Note: a step]."""
         x, y = self._batch(step)
-        logits = self.model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, self.config.vocab_size), y.reshape(-1))
+        logits = self._logits(self.model, x)
+        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), y.reshape(-1))
         loss.backward()  # type: ignore[no-untyped-call]
         self.optim.step()
         return loss.detach()
@@ -440,11 +529,15 @@ class _Run:
         resumed = f", resuming at step {first}" if o.resume else ""
         where = f"{self.world} ranks ({self.backend}, {self.device.type})"
         return (
-            f"shard train: preset {o.preset} ({self.parameters / 1e6:.2f} M parameters) on "
+            f"shard train: {self.source.description} ({self.parameters / 1e6:.2f} M parameters) on "
             f"{where}, {o.frontend}, strategy {o.strategy}, {o.precision}"
             f"{', cpu offload' if o.cpu_offload else ''}{resumed}\n"
             f"run directory: {o.run_dir}  (checkpoint: {o.checkpoint_path})"
         )
+
+    def _short_name(self) -> str:
+        o = self.options
+        return o.model or (Path(o.hf_config).parent.name if o.hf_config else o.preset)
 
     def _log(self, step: int, loss: float, rate: float, elapsed: float, step_s: float) -> None:
         record = {
@@ -466,8 +559,9 @@ class _Run:
         counts: CommCounts,
         tokens_per_step: int,
     ) -> RunSummary:
-        plan, single = predict(self.config, self.options, self.world)
-        per_rank = [predict(self.config, self.options, self.world, r)[0] for r in range(self.world)]
+        o, world, policy = self.options, self.world, self.policy
+        plan, single = predict(self.source, o, world, policy=policy)
+        per_rank = [predict(self.source, o, world, r, policy)[0] for r in range(world)]
         rank0 = ranks[0]
         return RunSummary(
             options=self.options.to_json(),
@@ -512,13 +606,17 @@ class _Run:
     @torch.no_grad()
     def sample(self, length: int, prompt: str = "def ") -> str:
         """``length`` generated characters after ``prompt`` (collective: every rank runs it)."""
-        if length <= 0:
+        if length <= 0 or not isinstance(self.corpus, CharCorpus):
             return ""
         generator = torch.Generator().manual_seed(self.options.seed)
-        tokens = self.corpus.encode(prompt)
+        try:
+            tokens = self.corpus.encode(prompt)
+        except ValueError:  # a user's text without these characters: start from its first
+            tokens = self.corpus.tokens[:1]
         for _ in range(length):
-            context = tokens[-self.config.seq_len :].unsqueeze(0).to(self.device)
-            logits = self.model(context)[0, -1].float().cpu()
+            context = tokens[-self.options.seq :].unsqueeze(0).to(self.device)
+            logits = self._logits(self.model, context)[0, -1, : self.corpus.vocab_size]
+            logits = logits.float().cpu()
             probs = torch.softmax(logits / 0.8, dim=-1)
             tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)])
         return self.corpus.decode(tokens)
@@ -544,7 +642,7 @@ class _Run:
                 (f"rank {r['rank']}", r["params"], r["grads"], r["optim"], r["peak"])
                 for r in summary.ranks
             ],
-            title=f"shard train: {self.options.preset}, {self.world} ranks",
+            title=f"shard train: {self._short_name()}, {self.world} ranks",
         )
         (self.run_dir / "training.png").write_bytes(png)
         if text:

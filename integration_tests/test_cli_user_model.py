@@ -1,0 +1,150 @@
+"""``shard train`` on the user's own model (``--model``, ``--hf-config``) and text (``--data``).
+
+Each model trains a few steps on two ranks; its losses equal, within fp32
+round-off, those of one plain PyTorch process that trains the same model
+(same seed) on the two ranks' batches together with AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard_cli._corpus import CharCorpus
+
+STEPS, BATCH, SEQ, LR, SEED = 4, 4, 16, 1e-2, 0
+TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs.\n" * 20
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def factory() -> nn.Module:
+    return Tiny()
+"""
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 40,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def _train(cwd: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), *sys.path])}
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "shard_cli", "train", "--nproc-per-node", str(nproc)),
+            *("--steps", str(STEPS), "--batch", str(BATCH), "--seq", str(SEQ), "--lr", str(LR)),
+            *("--sample-chars", "0", "--data", "data.txt", "--run-dir", "r", *args),
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def _reference(
+    build: Callable[[], nn.Module], logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+) -> list[float]:
+    """One process: the same model and seed, both ranks' batches in one, AdamW."""
+    corpus = CharCorpus.from_text(TEXT, ascii_only=False)
+    torch.manual_seed(SEED)
+    model = build()
+    optim = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(1, STEPS + 1):
+        pairs = [corpus.batch(step=step, rank=r, batch=BATCH, seq=SEQ, seed=SEED) for r in (0, 1)]
+        x = torch.cat([p[0] for p in pairs])
+        y = torch.cat([p[1] for p in pairs])
+        out = logits(model, x)
+        loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()  # type: ignore[no-untyped-call]
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    (tmp_path / "data.txt").write_text(TEXT, encoding="utf-8")
+    package = tmp_path / "tests_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("", encoding="utf-8")
+    (package / "mod.py").write_text(FACTORY.replace("VOCAB", "48"), encoding="utf-8")
+    (package / "small.py").write_text(FACTORY.replace("VOCAB", "8"), encoding="utf-8")
+    return tmp_path
+
+
+def test_model_factory_on_two_ranks_matches_one_process(work: Path) -> None:
+    """--model tests_pkg.mod:factory with --data: two ranks' losses equal one process's."""
+    result = _train(work, "--model", "tests_pkg.mod:factory")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "tests_pkg.mod:factory()" in result.stdout
+    sys.path.insert(0, str(work))
+    try:
+        from tests_pkg.mod import factory  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(work))
+    expected = _reference(factory, lambda m, x: m(x))
+    assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_hf_config_on_two_ranks_matches_one_process(work: Path) -> None:
+    """--hf-config (a tiny Llama config.json) with --data: two ranks' losses equal one process's."""
+    transformers = pytest.importorskip("transformers")
+    (work / "llama").mkdir()
+    (work / "llama" / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
+    result = _train(work, "--hf-config", "llama/config.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    config = transformers.AutoConfig.from_pretrained(str(work / "llama" / "config.json"))
+    expected = _reference(
+        lambda: transformers.AutoModelForCausalLM.from_config(config),
+        lambda m, x: m(x).logits,
+    )
+    assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_model_with_a_smaller_vocabulary_than_the_data_is_refused(work: Path) -> None:
+    """A model of 8 logits on text of more characters stops with both sizes and the fix."""
+    result = _train(work, "--model", "tests_pkg.small:factory", nproc=1)
+    assert result.returncode != 0
+    vocab = CharCorpus.from_text(TEXT, ascii_only=False).vocab_size
+    assert f"has a vocabulary of 8 tokens but the data (data.txt) has {vocab}" in result.stderr

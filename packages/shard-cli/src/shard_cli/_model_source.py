@@ -1,0 +1,213 @@
+"""Where a model comes from, for ``shard plan`` and ``shard train`` alike.
+
+One of: a preset (shard's GPT), ``--model module:factory`` (a callable
+returning an ``nn.Module`` whose forward maps token ids ``(batch, seq)`` to
+logits ``(batch, seq, vocab)``, or to an output with ``.logits``), or
+``--hf-config`` (a local ``config.json`` or a ``transformers`` config class
+name, built with ``AutoModelForCausalLM.from_config``; nothing is downloaded).
+Both commands resolve the model here, so a model ``shard plan`` accepts is
+one ``shard train`` trains.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shard_cli._presets import get_preset
+from shard_cli.gpt import GPT
+from shard_core import get_registry
+
+__all__ = ["HF_INSTALL", "ModelSource", "load_model_source", "logits_from"]
+
+HF_INSTALL = "pip install transformers (or shard-cli's [hf] extra)"
+"""How to install what ``--hf-config`` needs."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model to plan or train, built on demand (on the meta device for a plan).
+
+    Attributes:
+        description: What the model is, for the report.
+        build: Makes the model (call it under ``torch.device("meta")``).
+        vocab_size: Its vocabulary when it is a language model (activations
+            are then estimated), else ``None``.
+        seq: The default sequence length for the activation estimate.
+        batch: The default batch for the activation estimate.
+        logits_of: How to get logits from ``(model, tokens)``; ``None``: ``model(tokens)``.
+        default_policy: The wrap policy when ``--wrap-policy auto``.
+    """
+
+    description: str
+    build: Callable[[], nn.Module]
+    vocab_size: int | None
+    seq: int
+    batch: int
+    logits_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
+    default_policy: str
+
+
+def _registered_or_none(name: str) -> str:
+    return name if name in get_registry().wrap_policies() else "none"
+
+
+def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens).logits
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+def _parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--hf-arg {item!r}: write KEY=VALUE, e.g. n_layer=4")
+        try:
+            kwargs[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key] = raw
+    return kwargs
+
+
+def load_model_source(
+    *,
+    preset: str | None = None,
+    model: str | None = None,
+    hf_config: str | None = None,
+    hf_args: Sequence[str] = (),
+    overrides: dict[str, int | None] | None = None,
+) -> ModelSource:
+    """The model one of ``preset``, ``model`` (``module:factory``) or ``hf_config`` names.
+
+    Raises:
+        ValueError: none or several are given, or one cannot be resolved (the
+            message says which and how to fix it).
+    """
+    given = [
+        n for n, v in (("--preset", preset), ("--model", model), ("--hf-config", hf_config)) if v
+    ]
+    if len(given) > 1:
+        raise ValueError(f"give one model, got {' and '.join(given)}")
+    if model:
+        return _factory_source(model)
+    if hf_config:
+        return _hf_source(hf_config, _parse_kwargs(hf_args))
+    spec = get_preset(preset or "small")
+    vocab = spec.vocab_size
+    if vocab is None:
+        from shard_cli._corpus import load_corpus
+
+        vocab = load_corpus().vocab_size
+    sizes = overrides or {}
+    config = spec.config(
+        vocab_size=vocab,
+        seq_len=sizes.get("seq"),
+        d_model=sizes.get("d_model"),
+        n_heads=sizes.get("n_heads"),
+        n_layers=sizes.get("n_layers"),
+    )
+    return ModelSource(
+        description=f"preset {spec.name}: {spec.description}",
+        build=lambda: GPT(config),
+        vocab_size=config.vocab_size,
+        seq=config.seq_len,
+        batch=spec.batch,
+        logits_of=None,
+        default_policy="blocks",
+    )
+
+
+def _factory_source(path: str) -> ModelSource:
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model {path!r}: write module:factory, e.g. mypkg.models:build")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {path!r}: cannot import it: {exc}") from exc
+    if not callable(factory):
+        raise ValueError(f"--model {path!r}: {attr} is not callable; name a function or class")
+
+    def build() -> nn.Module:
+        built = factory()
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"--model {path!r} returned {type(built).__name__}, not an nn.Module")
+        return built
+
+    return ModelSource(
+        description=f"{path}()",
+        build=build,
+        vocab_size=None,
+        seq=0,
+        batch=0,
+        logits_of=lambda model, tokens: logits_from(model(tokens)),
+        default_policy=_registered_or_none("transformer"),
+    )
+
+
+def _hf_source(config_ref: str, kwargs: dict[str, Any]) -> ModelSource:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(f"--hf-config needs the transformers package: {HF_INSTALL}") from exc
+    path = Path(config_ref)
+    if path.exists():
+        file = path / "config.json" if path.is_dir() else path
+        config = transformers.AutoConfig.from_pretrained(str(file), **kwargs)
+        what = f"transformers config {file}"
+    else:
+        cls = getattr(transformers, config_ref, None)
+        if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+            raise ValueError(
+                f"--hf-config {config_ref!r} is neither a local config.json (file or directory) "
+                "nor a transformers config class (GPT2Config, LlamaConfig...); names of hub "
+                "models would need a download, which shard never does"
+            )
+        config = cls(**kwargs)
+        what = f"transformers.{config_ref}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})"
+    vocab = getattr(config, "vocab_size", None)
+    positions = getattr(config, "n_positions", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+    seq = min(positions, 2048) if isinstance(positions, int) else 1024
+
+    def build() -> nn.Module:
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        assert isinstance(model, nn.Module)
+        return model
+
+    return ModelSource(
+        description=what,
+        build=build,
+        vocab_size=vocab if isinstance(vocab, int) else None,
+        seq=seq,
+        batch=1,
+        logits_of=_hf_logits,
+        default_policy=_registered_or_none("transformer"),
+    )
+
+
+def logits_from(output: Any) -> torch.Tensor:
+    """The logits of a model's output: the tensor itself, or its ``.logits`` (Hugging Face).
+
+    Raises:
+        ValueError: the output is neither (the message names its type).
+    """
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ValueError(
+        f"the model returned {type(output).__name__}, not logits; its forward must map token "
+        "ids (batch, seq) to logits (batch, seq, vocab) or to an output with .logits"
+    )
