@@ -8,6 +8,7 @@ Switch from PyTorch by changing the import line::
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
 from shard_runtime._comm import share_comm_ctx
+from shard_runtime._flat_shard import FlatShard, flat_shard_placement
 from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._fully_shard import (
     FSDPModule,
@@ -62,6 +63,7 @@ __all__ = [
     "CustomPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "FlatShard",
     "FlatUnit",
     "FlatUnitParam",
     "FullOptimStateDictConfig",
@@ -88,6 +90,7 @@ __all__ = [
     "apply_wrap_policy",
     "clean_fqn",
     "enable_wrap",
+    "flat_shard_placement",
     "flat_units",
     "fully_shard",
     "lambda_auto_wrap_policy",

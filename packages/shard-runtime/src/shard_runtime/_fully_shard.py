@@ -25,6 +25,7 @@ from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._comm import separate_reduce_scatter_group
 from shard_runtime._compile import eager_hook, mark_managed_modules
+from shard_runtime._flat_shard import FlatShard, register_flat_state_dict_hooks
 from shard_runtime._options import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -443,7 +444,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -457,7 +458,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -470,7 +471,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
     ignored_params: set[nn.Parameter] | None = None,
@@ -501,7 +502,9 @@ def fully_shard(
         ignored_params: parameters left alone (neither sharded nor reduced).
         shard_placement_fn: called with each parameter; ``Shard(dim)`` shards it
             on ``dim`` (negative counts from the end; the dim must divide evenly
-            unless it is 0), ``None`` on dim 0.
+            unless it is 0), ``None`` on dim 0. :func:`flat_shard_placement`
+            (it returns ``FlatShard()``) shards on the flattened storage, 1/N
+            at any world size; see ``_flat_shard.py``.
         dp_mesh_dims: names the data-parallel axes of ``mesh``, which is then
             the whole mesh: every parameter must be a DTensor on it, replicated
             on those axes, and is sharded over ``shard`` (replicated over
@@ -542,12 +545,13 @@ def fully_shard(
             mesh=mesh,
             shard_device=shard_device,
             pin_memory=pin,
-            shard_dim=resolve_shard_dim(
-                fqn, param, None if shard_placement_fn is None else shard_placement_fn(param)
-            ),
+            shard_dim=resolve_shard_dim(fqn, param, None if flat else placement),
             dp_axes=dp_axes,
+            flat=flat,
         )
         for fqn, param, owners in params
+        for placement in [None if shard_placement_fn is None else shard_placement_fn(param)]
+        for flat in [isinstance(placement, FlatShard)]
     ]
     unit = Unit(
         label=label,
@@ -560,6 +564,8 @@ def fully_shard(
         ),
     )
     for (_, param, _), sp in zip(params, sharded, strict=True):
+        if sp.flat:
+            register_flat_state_dict_hooks(sp)
         setattr(param, _SHARDED_BY_ATTR, unit)
         setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
     state = ShardState(

@@ -54,6 +54,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shard_core import contiguous_stride
+from shard_runtime._flat_shard import is_flat_layout
 
 __all__ = [
     "DataParallelAxes",
@@ -117,7 +118,7 @@ class ShardedParam:
     shard_dim: int
     shard_rank: int
     shard_world: int
-    padded_rows: int  # ceil(data_shape[shard_dim] / shard_world): rows each rank contributes
+    padded_rows: int  # ceil(shard_shape[shard_dim] / shard_world): rows each rank contributes
     local_rows: int  # rows of the real (unpadded) local shard
     # - sharded face
     padded_shard: torch.Tensor  # ND, padded_shape, sharded dtype
@@ -125,6 +126,7 @@ class ShardedParam:
     # - unsharded face (compute dtype), storage released while sharded
     unsharded_spec: DTensorSpec | None = None  # tp DTensor spec of the compute face
     dp_axes: frozenset[int] = frozenset()  # data-parallel axes of unsharded_spec's mesh
+    flat: bool = False  # sharded on the flattened storage; see [Note: flat shards as 1-D DTensors]
     unsharded_padded: torch.Tensor = field(init=False)  # ND, padded_rows * shard_world rows
     unsharded_param: nn.Parameter = field(init=False)
 
@@ -142,6 +144,7 @@ class ShardedParam:
         pin_memory: bool = False,
         shard_dim: int = 0,
         dp_axes: DataParallelAxes | None = None,
+        flat: bool = False,
     ) -> ShardedParam:
         """Shard ``param`` on ``shard_dim`` over the last axis of ``mesh``.
 
@@ -150,14 +153,23 @@ class ShardedParam:
         sharding a tensor-parallel parameter]. ``shard_dim`` must be
         normalized (see :func:`resolve_shard_dim`). ``pin_memory`` pins the
         shard (CPU offload with an accelerator) so its copies to the device
-        can run asynchronously.
+        can run asynchronously. ``flat`` asks for the flat layout (see
+        [Note: flat shards as 1-D DTensors] in ``_flat_shard.py``), applied
+        where :func:`~shard_runtime._flat_shard.is_flat_layout` says it helps.
         """
         shard_world = mesh.size(-1)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
         layout = _layout(fqn, param, mesh, shard_dim, dp_axes)
         data = layout.data
         data_shape = data.shape
-        size = data_shape[shard_dim]
+        flat = flat and is_flat_layout(
+            data_shape, shard_world, tensor_parallel=layout.unsharded_spec is not None
+        )
+        if flat:
+            shard_dim = 0
+            layout = replace(layout, sharded_placements=(*layout.sharded_placements[:-1], Shard(0)))
+        shard_shape = torch.Size((data.numel(),)) if flat else data_shape
+        size = shard_shape[shard_dim]
         if shard_dim != 0 and size % shard_world != 0:
             raise NotImplementedError(
                 f"fully_shard: parameter {fqn!r} is sharded on dim {shard_dim}, whose size "
@@ -170,12 +182,12 @@ class ShardedParam:
         local_rows = min(padded_rows, size - start)
         if data.device.type == "meta":  # stays on meta until module.to_empty(...)
             shard_device = data.device
-        padded_shape = _with_dim(data_shape, shard_dim, padded_rows)
+        padded_shape = _with_dim(shard_shape, shard_dim, padded_rows)
         padded_shard = torch.zeros(padded_shape, dtype=data.dtype, device=shard_device)
         if data.device.type != "meta":
             with torch.no_grad():
                 padded_shard.narrow(shard_dim, 0, local_rows).copy_(
-                    data.detach().narrow(shard_dim, start, local_rows)
+                    data.detach().reshape(shard_shape).narrow(shard_dim, start, local_rows)
                 )
             if pin_memory:
                 padded_shard = padded_shard.pin_memory()
@@ -184,7 +196,7 @@ class ShardedParam:
             padded_shard.narrow(shard_dim, 0, local_rows),
             layout.sharded_mesh,
             layout.sharded_placements,
-            full_shape,
+            shard_shape if flat else full_shape,
             param.requires_grad,
         )
         self = cls(
@@ -206,6 +218,7 @@ class ShardedParam:
             sharded_param=sharded_param,
             unsharded_spec=layout.unsharded_spec,
             dp_axes=layout.dp_axes,
+            flat=flat,
         )
         self.init_unsharded(data.dtype, shard_device)
         return self
@@ -213,10 +226,13 @@ class ShardedParam:
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """(Re)create the unsharded face in ``dtype`` on ``device``, storage released."""
         rows = self.padded_rows * self.shard_world
+        shape = self.shard_shape
         self.unsharded_padded = torch.empty(
-            _with_dim(self.data_shape, self.shard_dim, rows), dtype=dtype, device=device
+            _with_dim(shape, self.shard_dim, rows), dtype=dtype, device=device
         )
-        data = self.unsharded_padded.narrow(self.shard_dim, 0, self.data_shape[self.shard_dim])
+        data = self.unsharded_padded.narrow(self.shard_dim, 0, shape[self.shard_dim])
+        if self.flat:
+            data = data.view(self.data_shape)
         spec = self.unsharded_spec
         if spec is not None:
             meta = spec.tensor_meta
@@ -229,14 +245,24 @@ class ShardedParam:
     # -------------------------------------------------------------- sizes
 
     @property
+    def shard_shape(self) -> torch.Size:
+        """The shape that is split over ranks: ``data_shape``, or ``(numel,)`` when flat."""
+        return torch.Size((self.data_shape.numel(),)) if self.flat else self.data_shape
+
+    @property
+    def sharded_shape(self) -> torch.Size:
+        """The sharded DTensor's global shape: ``full_shape``, or ``(numel,)`` when flat."""
+        return self.shard_shape if self.flat else self.full_shape
+
+    @property
     def padded_shape(self) -> torch.Size:
         """Shape of one rank's padded shard."""
-        return _with_dim(self.data_shape, self.shard_dim, self.padded_rows)
+        return _with_dim(self.shard_shape, self.shard_dim, self.padded_rows)
 
     @property
     def local_shape(self) -> torch.Size:
         """Shape of this rank's real (unpadded) shard: the sharded DTensor's local tensor."""
-        return _with_dim(self.data_shape, self.shard_dim, self.local_rows)
+        return _with_dim(self.shard_shape, self.shard_dim, self.local_rows)
 
     @property
     def padded_numel(self) -> int:
@@ -245,8 +271,8 @@ class ShardedParam:
 
     @property
     def row_numel(self) -> int:
-        """Elements in one dim-0 row of the gathered tensor."""
-        return math.prod(self.data_shape[1:])
+        """Elements in one dim-0 row of the gathered tensor (1 when flat)."""
+        return math.prod(self.shard_shape[1:])
 
     # -------------------------------------------------------------- storage
 
@@ -394,8 +420,8 @@ class ShardedParam:
                     self.dtensor_mesh,
                     self.placements,
                     run_check=False,
-                    shape=self.full_shape,
-                    stride=contiguous_stride(self.full_shape),
+                    shape=self.sharded_shape,
+                    stride=contiguous_stride(self.sharded_shape),
                 )
         else:
             grad_local = grad.to_local()  # type: ignore[attr-defined]

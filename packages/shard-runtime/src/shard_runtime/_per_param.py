@@ -198,8 +198,10 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
     if p.shard_dim != 0:  # evenly split: rank r's block is slice r along the dim
         block.view(block.shape[0], *p.padded_shape).copy_(p.unsharded_blocks(grad))
         return
+    if p.flat:
+        grad = grad.reshape(-1)
     rows = p.padded_rows
-    dim0 = p.data_shape[0]
+    dim0 = p.shard_shape[0]
     world = block.shape[0]
     if dim0 == rows * world:
         block.copy_(grad.reshape(world, p.padded_numel))
