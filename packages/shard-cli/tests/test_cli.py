@@ -114,3 +114,11 @@ def test_the_benchmark_shim_reexports_the_model(monkeypatch: pytest.MonkeyPatch)
 
     assert gpt.GPT is shard_cli.gpt.GPT
     assert gpt.synthetic_tokens is shard_cli.gpt.synthetic_tokens
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nproc"])
+def test_train_takes_torchruns_nproc_per_node_and_the_nproc_alias(flag: str) -> None:
+    """--nproc-per-node (torchrun's spelling) and --nproc both set the local ranks."""
+    from shard_cli.__main__ import build_parser
+
+    assert build_parser().parse_args(["train", flag, "3"]).nproc == 3

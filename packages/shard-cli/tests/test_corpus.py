@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 from shard_cli import CharCorpus, load_corpus
+from shard_cli._corpus import TokenFile, load_data
 
 
 def test_from_text_keeps_ascii_and_sorts_the_vocabulary() -> None:
@@ -49,3 +53,38 @@ def test_load_corpus_reads_shard_sources() -> None:
     assert len(corpus.text) > 100_000
     assert "def fully_shard(" in corpus.text
     assert 60 < corpus.vocab_size < 128
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_batches_equal_the_same_tokens_in_memory(tmp_path: Path, dtype: str) -> None:
+    """A .bin of token ids gives the batches a corpus of the same tokens gives, step by step."""
+    ids = np.arange(300, dtype=dtype) * 7 % 1000
+    ids.tofile(tmp_path / "train.bin")
+    tokens = load_data(str(tmp_path / "train.bin"), dtype)
+    assert isinstance(tokens, TokenFile)
+    assert (tokens.length, tokens.vocab_size) == (
+        300,
+        996,
+    )  # 7 * 285 % 1000 = 995 is the largest id
+    same = CharCorpus(text="", vocab="", tokens=torch.from_numpy(ids.astype(np.int64)))
+    for step in (1, 2):
+        x, y = tokens.batch(step=step, rank=1, batch=3, seq=10, seed=5)
+        ex, ey = same.batch(step=step, rank=1, batch=3, seq=10, seed=5)
+        assert x.dtype == torch.long
+        assert torch.equal(x, ex)
+        assert torch.equal(y, ey)
+
+
+def test_token_file_of_the_wrong_dtype_size_names_the_flag(tmp_path: Path) -> None:
+    """A .bin whose size is not a whole number of tokens says to pass --data-dtype."""
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match=r"has 3 bytes, not a whole number of uint16 tokens"):
+        load_data(str(tmp_path / "odd.bin"))
+
+
+def test_text_data_keeps_every_character(tmp_path: Path) -> None:
+    """A UTF-8 text file is one token per character, non-ASCII ones included."""
+    (tmp_path / "t.txt").write_text("caf\u00e9 ab", encoding="utf-8")
+    corpus = load_data(str(tmp_path / "t.txt"))
+    assert isinstance(corpus, CharCorpus)
+    assert corpus.vocab == " abcf\u00e9"

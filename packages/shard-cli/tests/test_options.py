@@ -45,6 +45,12 @@ def test_the_defaults_are_the_small_preset() -> None:
             {"max_restarts": -1},
             r"--max-restarts must be 0 \(a failed rank ends the run\) or more, got -1",
         ),
+        ({"model": "a:b", "hf_config": "c.json"}, r"give one model, got --model and --hf-config"),
+        (
+            {"model": "a:b", "n_layers": 4},
+            r"--layers size the preset's GPT, not --model or --hf-config; size your own model",
+        ),
+        ({"data_dtype": "int8"}, r"--data-dtype must be uint16 or uint32, got 'int8'"),
     ],
 )
 def test_bad_flags_are_errors_naming_the_flag(given: dict[str, object], message: str) -> None:
@@ -101,3 +107,11 @@ def test_preset_config_needs_a_vocabulary_for_char_presets() -> None:
     with pytest.raises(ValueError, match=r"preset 'tiny' uses the corpus' character vocabulary"):
         get_preset("tiny").config()
     assert get_preset("tiny").config(vocab_size=90, n_layers=5).n_layers == 5
+
+
+def test_resume_refuses_another_model_source(tmp_path: Path) -> None:
+    """The model source is recorded in config.json; resuming with another is refused."""
+    options = TrainOptions(model="pkg.mod:factory", run_dir=str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(options.to_json()), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"--resume: --model pkg.other:factory differs"):
+        resolve_options({"resume": True, "run_dir": str(tmp_path), "model": "pkg.other:factory"})
