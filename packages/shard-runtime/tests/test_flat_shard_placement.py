@@ -174,3 +174,23 @@ def test_flat_state_dict_keeps_full_shapes_and_reshards_from_4_to_3_ranks(
         assert len(flat) == 4  # embed and the three outer weights (10 rows; 21 divides by 3)
         for key in flat:
             torch.testing.assert_close(loaded["full"][key], unsharded[key], rtol=0, atol=0)
+
+
+def _checkpoint_api_round_trip(_: object) -> dict[str, Any]:
+    from shard_checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model = _sharded_toy(seed=0)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    sharded = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    set_model_state_dict(model, ToyNet(seed=11).state_dict(), options=full)
+    return {"sharded": sharded, "full": get_model_state_dict(model, options=full)}
+
+
+def test_flat_shards_round_trip_through_shard_checkpoint_state_dicts(rank_pool: RankPool) -> None:
+    """get/set_model_state_dict, sharded and full, see the unsharded names and full shapes."""
+    unsharded = ToyNet(seed=11).state_dict()
+    for result in rank_pool.run(_checkpoint_api_round_trip, 3, None):
+        assert result["sharded"] == {k: tuple(v.shape) for k, v in unsharded.items()}
+        assert list(result["full"]) == list(unsharded)
+        for key, value in unsharded.items():
+            torch.testing.assert_close(result["full"][key], value, rtol=0, atol=0)
