@@ -2,21 +2,29 @@
 
 The default layout splits dim 0 into ``ceil(dim0 / n)`` rows per rank, so a
 matrix whose dim 0 does not divide by the world size costs every rank up to a
-whole row more than ``numel / n`` (GPT-2 XL's shapes: rank 0 holds 1.165x the
-ideal at 1024 ranks). The flat layout splits the parameter's flattened storage
+whole row more than ``numel / n`` (GPT-2 XL's shapes: every rank holds 1.16x
+the ideal at 1024 ranks, 1.0001x flat). The flat layout splits the parameter's flattened storage
 into ``ceil(numel / n)`` elements per rank instead, which wastes less than one
 element per rank and parameter.
 
 [Note: flat shards as 1-D DTensors]
 A flat shard of a ``(rows, cols)`` matrix is not a block of rows, so no DTensor
 placement of the full shape describes it (``Shard`` and ``_StridedShard`` both
-cut along a dim). In torch 2.13 the honest representation is the DTensor the
-data really is: the parameter's flattened view, ``(numel,)``, placed
-``Shard(0)``. The optimizer works on it elementwise (AdamW, SGD: same update
-as on the full shape); the unsharded face the module computes with keeps the
-full shape, and gradients are flattened before the reduce-scatter. A parameter
-whose dim 0 divides evenly, a 1-D parameter (flat is dim 0 there) and a
-tensor-parallel DTensor keep ``Shard(0)``: no waste, no new shape.
+cut along a dim), and a wrapper that claims the full shape over a flat local
+tensor would have to teach every DTensor op (the optimizer's foreach kernels,
+``clip_grad_norm_``, DCP's planner) a layout torch 2.13 does not have. The
+honest representation is the DTensor the data really is: the parameter's
+flattened view, ``(numel,)``, placed ``Shard(0)``. The optimizer works on it
+elementwise (AdamW, SGD: same update as on the full shape); the unsharded face
+the module computes with keeps the full shape, and gradients are flattened
+before the reduce-scatter. A parameter whose dim 0 divides evenly, a 1-D
+parameter (flat is dim 0 there) and a tensor-parallel DTensor keep
+``Shard(0)``: no waste, no new shape. The price: between steps
+``module.weight`` of a flat parameter is that 1-D DTensor, so code that reads
+its shape then (``nn.Linear.reset_parameters`` after meta-device init needs
+fan-in) must run before ``fully_shard``, or the values come in through a full
+state dict (``set_model_state_dict(..., full_state_dict=True)`` or
+``load_state_dict``; see the next note).
 
 [Note: flat shards in state dicts]
 Checkpoints must not see the ``(numel,)`` shape: ``model.state_dict()`` would
