@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_cli.__main__ import main as shard_main
 from shard_cli._corpus import CharCorpus
 
 STEPS, BATCH, SEQ, LR, SEED = 4, 4, 16, 1e-2, 0
@@ -142,9 +143,18 @@ def test_hf_config_on_two_ranks_matches_one_process(work: Path) -> None:
     assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-def test_model_with_a_smaller_vocabulary_than_the_data_is_refused(work: Path) -> None:
-    """A model of 8 logits on text of more characters stops with both sizes and the fix."""
-    result = _train(work, "--model", "tests_pkg.small:factory", nproc=1)
-    assert result.returncode != 0
+def test_model_with_a_smaller_vocabulary_than_the_data_is_refused_before_launch(
+    work: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model of 8 logits on text of more characters exits 2, naming both sizes, no rank run."""
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+    code = shard_main(["train", "--model", "tests_pkg.small:factory", "--data", "data.txt"])
     vocab = CharCorpus.from_text(TEXT, ascii_only=False).vocab_size
-    assert f"has a vocabulary of 8 tokens but the data (data.txt) has {vocab}" in result.stderr
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"shard train: tests_pkg.small:factory() has a vocabulary of 8 tokens but the data "
+        f"(data.txt) has {vocab}; give the model a vocabulary of at least {vocab} (vocab_size "
+        "in its config or factory)\n"
+    )
+    assert not (work / "runs").exists()

@@ -158,6 +158,13 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    try:
+        from shard_cli._train import preflight
+
+        preflight(options)
+    except ValueError as exc:
+        print(f"shard train: {exc}", file=sys.stderr)
+        return 2
     return launch(options, list(argv))
 
 

@@ -285,6 +285,48 @@ def predict(
     )
 
 
+def model_vocab(source: ModelSource, model: nn.Module, data_vocab: int, data: str | None) -> int:
+    """The model's vocabulary (logits per token); an error when the data's does not fit.
+
+    A factory's model says it only through its output, so one token goes
+    through it (on the meta device when the model is there: shapes only).
+    """
+    vocab = source.vocab_size
+    if vocab is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        with torch.no_grad():
+            tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
+            vocab = int(logits_from(model(tokens)).shape[-1])
+    if vocab < data_vocab:
+        what = data or "shard's sources"
+        raise ValueError(
+            f"{source.description} has a vocabulary of {vocab} tokens but the data "
+            f"({what}) has {data_vocab}; give the model a vocabulary of "
+            f"at least {data_vocab} (vocab_size in its config or factory)"
+        )
+    return vocab
+
+
+def preflight(options: TrainOptions) -> None:
+    """Before any rank starts: the user's model imports, builds and fits the data.
+
+    The model is built on the meta device, so this costs no memory; each rank
+    checks again (under ``torchrun`` there is no launcher to do it).
+
+    Raises:
+        ValueError: the model or the data cannot be loaded, or the data's
+            vocabulary is larger than the model's (the message says which).
+    """
+    if not (options.model or options.hf_config):
+        return
+    corpus = load_data(options.data, options.data_dtype)
+    source = load_model_source(model=options.model, hf_config=options.hf_config)
+    with torch.device("meta"):
+        model = source.build()
+    model_vocab(source, model, corpus.vocab_size, options.data)
+
+
 class _Run:
     """The state of one rank's run."""
 
@@ -337,22 +379,7 @@ class _Run:
         return self.corpus.vocab if isinstance(self.corpus, CharCorpus) else self.corpus.vocab_size
 
     def _model_vocab(self, model: nn.Module) -> int:
-        """The model's vocabulary (logits per token); an error when the data's does not fit.
-
-        A factory's model says it only through its output, so one token goes through it.
-        """
-        vocab = self.source.vocab_size
-        if vocab is None:
-            with torch.no_grad():
-                vocab = int(self._logits(model, torch.zeros(1, 1, dtype=torch.long)).shape[-1])
-        if vocab < self.corpus.vocab_size:
-            data = self.options.data or "shard's sources"
-            raise ValueError(
-                f"{self.source.description} has a vocabulary of {vocab} tokens but the data "
-                f"({data}) has {self.corpus.vocab_size}; give the model a vocabulary of at "
-                f"least {self.corpus.vocab_size} (vocab_size in its config or factory)"
-            )
-        return vocab
+        return model_vocab(self.source, model, self.corpus.vocab_size, self.options.data)
 
     def _logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return logits_from(model(tokens))
