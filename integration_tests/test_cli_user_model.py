@@ -82,7 +82,9 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def _reference(
-    build: Callable[[], nn.Module], logits: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    build: Callable[[], nn.Module],
+    logits: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    steps: int = STEPS,
 ) -> list[float]:
     """One process: the same model and seed, both ranks' batches in one, AdamW."""
     corpus = CharCorpus.from_text(TEXT, ascii_only=False)
@@ -90,7 +92,7 @@ def _reference(
     model = build()
     optim = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         pairs = [corpus.batch(step=step, rank=r, batch=BATCH, seq=SEQ, seed=SEED) for r in (0, 1)]
         x = torch.cat([p[0] for p in pairs])
         y = torch.cat([p[1] for p in pairs])
@@ -114,17 +116,27 @@ def work(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_model_factory_on_two_ranks_matches_one_process(work: Path) -> None:
-    """--model tests_pkg.mod:factory with --data: two ranks' losses equal one process's."""
+def test_model_factory_on_two_ranks_matches_one_process_and_resumes(
+    work: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--model tests_pkg.mod:factory with --data: two ranks' losses, resumed from step 4 to 6,
+    equal one process's; resuming with another --model is refused."""
     result = _train(work, "--model", "tests_pkg.mod:factory")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "tests_pkg.mod:factory()" in result.stdout
+    run_dir = str(work / "r")
+    assert shard_main(["train", "--resume", "--run-dir", run_dir, "--model", "x:y"]) == 2
+    assert "--model x:y differs from the interrupted run's tests_pkg.mod:factory" in (
+        capsys.readouterr().err
+    )
+    resumed = _train(work, "--resume", "--steps", "6")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     sys.path.insert(0, str(work))
     try:
         from tests_pkg.mod import factory  # type: ignore[import-not-found]
     finally:
         sys.path.remove(str(work))
-    expected = _reference(factory, lambda m, x: m(x))
+    expected = _reference(factory, lambda m, x: m(x), steps=6)
     assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
