@@ -158,13 +158,14 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    try:
+    if options.model or options.hf_config:  # the user's model: fail here, not on every rank
         from shard_cli._train import preflight
 
-        preflight(options)
-    except ValueError as exc:
-        print(f"shard train: {exc}", file=sys.stderr)
-        return 2
+        try:
+            preflight(options)
+        except ValueError as exc:
+            print(f"shard train: {exc}", file=sys.stderr)
+            return 2
     return launch(options, list(argv))
 
 
