@@ -27,6 +27,11 @@ Run from the repository root::
     .venv/bin/python tools/bench/bench_train.py --world-size 2 --layers 4 \\
         --d-model 256 --heads 4 --seq 128 --batch 8 --steps 12 --warmup 3 --repeat 2
 
+On a GPU (``tools/gpu/check.sh`` runs this), one rank against the plain model::
+
+    .venv/bin/python tools/bench/bench_train.py --world-size 1 --device cuda \\
+        --precision bf16 --impls single,shard_fsdp,torch_fsdp,shard_fsdp1,torch_fsdp1
+
 [Note: what is measured]
 - step time: forward + loss + backward + optimizer step, timed with
   ``time.perf_counter`` after a barrier; a step's time is the slowest rank's,
@@ -52,6 +57,25 @@ Run from the repository root::
   for the wrappers; the report warns if a sharded implementation left one
   unsharded).
 - final loss: the last step's loss, averaged over ranks.
+
+[Note: device and precision]
+``--device cuda`` puts rank r on ``cuda:r`` with NCCL (``--world-size`` at
+most the GPUs visible); the model is built on the CPU from the seed, as on
+the CPU path, then moved, so every implementation starts from the same
+weights. Timing synchronizes the device at every phase boundary (CUDA runs
+asynchronously), and each rank also records ``torch.cuda``'s peak allocated
+bytes (``max_memory_allocated``, from just before the model is built).
+``--precision bf16`` is bf16 compute with fp32 weights and optimizer state:
+every implementation runs forward and loss under ``torch.autocast(bf16)``
+(the plain model's usual mixed precision), and the four FSDP ones also get
+their mixed-precision policy (``param_dtype=bf16, reduce_dtype=fp32``;
+``MixedPrecisionPolicy`` for ``fully_shard``, ``MixedPrecision`` for the
+wrappers, PyTorch's and shard's alike), so they gather parameters in bf16 as
+a bf16 FSDP job does. Their losses then differ from ``single``'s by bf16
+rounding, hence the looser default ``--loss-rtol`` in bf16. At
+``--world-size 1`` every implementation but ``single`` still runs in a
+process group of one, so the ratios against ``single`` are the cost of the
+sharding machinery itself.
 
 [Note: profiling]
 ``--profile`` profiles rank 0 of the four sharded implementations over
@@ -101,6 +125,8 @@ FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1")
 PAIRS = (("shard_fsdp", "torch_fsdp"), ("shard_fsdp1", "torch_fsdp1"))
 PHASES = ("forward", "backward", "optimizer")
 PROFILERS = ("cprofile", "cprofile-cpu", "torch")
+FP32_LOSS_RTOL = 1e-4
+BF16_LOSS_RTOL = 2e-2  # bf16 parameters vs autocast: see [Note: device and precision]
 STEP_TIME_TARGET = 1.00
 STEP_TIME_AIM = 0.90
 STATE_TOLERANCE = 1e-3
@@ -122,6 +148,9 @@ class BenchConfig:
             so it does ``world_size`` ranks' work with one rank's cores).
         profile: ``None`` or one of ``PROFILERS``; see [Note: profiling].
         profile_dir: where profiles go.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on ``cuda:r``); see
+            [Note: device and precision].
+        precision: ``"fp32"``, or ``"bf16"`` compute; see [Note: device and precision].
     """
 
     model: GPTConfig
@@ -134,6 +163,8 @@ class BenchConfig:
     threads: int
     profile: str | None = None
     profile_dir: str = "runs/bench_train_profile"
+    device: str = "cpu"
+    precision: str = "fp32"
 
     @property
     def global_batch(self) -> int:
@@ -159,6 +190,7 @@ class RankResult:
     storage_bytes: int
     all_sharded: bool
     profiled: bool
+    peak_cuda_bytes: int = 0  # torch.cuda.max_memory_allocated; 0 on the CPU
 
     @property
     def state_bytes(self) -> int:
@@ -259,6 +291,13 @@ class ImplResult:
         """Largest resident parameter + gradient + optimizer bytes over ranks."""
         return max(r.state_bytes for r in self.ranks)
 
+    @property
+    def peak_cuda_per_rank(self) -> list[int]:
+        """Each rank's largest peak CUDA allocated bytes over repeats (0 on the CPU)."""
+        return [
+            max(ranks[i].peak_cuda_bytes for ranks in self.runs) for i in range(len(self.ranks))
+        ]
+
 
 # ---------------------------------------------------------------------- rank side
 
@@ -315,49 +354,66 @@ def _resident(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> dict
     }
 
 
-def _wrap(impl: str, model: GPT, mesh: DeviceMesh | None) -> nn.Module:
+def _wrap(
+    impl: str, model: GPT, mesh: DeviceMesh | None, device: torch.device, bf16: bool
+) -> nn.Module:
+    """``model`` (already on ``device``) wrapped as ``impl``; see [Note: device and precision]."""
+    low = torch.bfloat16 if bf16 else None
+    reduce = torch.float32 if bf16 else None
     if impl == "single":
         return model
     if impl == "ddp":
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
     assert mesh is not None
     if impl == "torch_fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+        torch_policy = TorchMixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         for block in model.iter_blocks():
-            torch_fully_shard(block, mesh=mesh)
-        torch_fully_shard(model, mesh=mesh)
+            torch_fully_shard(block, mesh=mesh, mp_policy=torch_policy)
+        torch_fully_shard(model, mesh=mesh, mp_policy=torch_policy)
         return model
     if impl == "shard_fsdp":
+        from shard_runtime import MixedPrecisionPolicy as ShardMixedPrecisionPolicy
         from shard_runtime import fully_shard as shard_fully_shard
 
+        shard_policy = ShardMixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         for block in model.iter_blocks():
-            shard_fully_shard(block, mesh=mesh)
-        shard_fully_shard(model, mesh=mesh)
+            shard_fully_shard(block, mesh=mesh, mp_policy=shard_policy)
+        shard_fully_shard(model, mesh=mesh, mp_policy=shard_policy)
         return model
     if impl == "torch_fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+        from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
         from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
+        torch_mp = TorchMixedPrecision(param_dtype=low, reduce_dtype=reduce) if bf16 else None
         return TorchFSDP(
             model,
             sharding_strategy=TorchShardingStrategy.FULL_SHARD,
             auto_wrap_policy=TorchModuleWrapPolicy({Block}),
+            mixed_precision=torch_mp,
             use_orig_params=False,
-            device_id=torch.device("cpu"),  # PyTorch's wrapper asks for an accelerator otherwise
+            device_id=device,  # on the CPU too: PyTorch's wrapper asks for an accelerator otherwise
         )
     if impl == "shard_fsdp1":
         from shard_runtime import FullyShardedDataParallel as ShardFSDP
+        from shard_runtime import MixedPrecision as ShardMixedPrecision
         from shard_runtime import ModuleWrapPolicy as ShardModuleWrapPolicy
         from shard_runtime import ShardingStrategy as ShardShardingStrategy
 
+        shard_mp = ShardMixedPrecision(param_dtype=low, reduce_dtype=reduce) if bf16 else None
         return ShardFSDP(
             model,
             sharding_strategy=ShardShardingStrategy.FULL_SHARD,
             auto_wrap_policy=ShardModuleWrapPolicy({Block}),
+            mixed_precision=shard_mp,
             use_orig_params=False,
-            device_id=torch.device("cpu"),
+            device_id=device,
         )
     raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
 
@@ -368,6 +424,7 @@ class _Profiler:
     def __init__(self, cfg: BenchConfig, impl: str, rank: int) -> None:
         self.kind = cfg.profile if rank == 0 and impl in FSDP_IMPLS else None
         self.out = Path(cfg.profile_dir) / impl
+        self._cuda = cfg.device == "cuda"
         self._cprofile: cProfile.Profile | None = None
         self._torch: torch.profiler.profile | None = None
 
@@ -379,9 +436,10 @@ class _Profiler:
             self._cprofile = cProfile.Profile(time.thread_time)
             self._cprofile.enable()
         elif self.kind == "torch":
-            self._torch = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
-            )
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self._cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._torch = torch.profiler.profile(activities=activities, record_shapes=True)
             self._torch.start()
 
     def stop(self, steps: int) -> None:
@@ -445,16 +503,31 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
     world = 1 if impl == "single" else cfg.world_size
     threads = cfg.threads
     torch.set_num_threads(threads)
+    cuda = cfg.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # Every implementation but the plain model runs in a process group, one of
+    # a single rank included (see [Note: device and precision]).
+    distributed = impl != "single"
     mesh: DeviceMesh | None = None
-    if world > 1:
+    if distributed:
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+            "nccl" if cuda else "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            device_id=device if cuda else None,
         )
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(device.type, (world,))
+    sync = torch.cuda.synchronize if cuda else _no_sync
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     try:
         base_rss = _peak_rss()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(cfg.seed)
-        model = _wrap(impl, GPT(cfg.model), mesh)
+        model = _wrap(impl, GPT(cfg.model).to(device), mesh, device, cfg.precision == "bf16")
         optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
         per_rank = cfg.global_batch // world
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -465,19 +538,25 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
         losses: list[float] = []
         for step in range(cfg.warmup + cfg.steps):
             tokens = synthetic_tokens(cfg.model, cfg.global_batch, seed=cfg.seed, step=step)[rows]
+            tokens = tokens.to(device)
             inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             if step == cfg.warmup:
                 profiler.start()
+            sync()
             if world > 1:
                 dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
             optim.zero_grad(set_to_none=True)
-            logits = model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            with autocast:
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            sync()
             forward_end = time.perf_counter()
             loss.backward()  # type: ignore[no-untyped-call]
+            sync()
             backward_end = time.perf_counter()
             optim.step()
+            sync()
             end, end_cpu = time.perf_counter(), time.process_time()
             losses.append(loss.item())
             if step >= cfg.warmup:
@@ -499,12 +578,17 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
                 peak_rss=_peak_rss(),
                 base_rss=base_rss,
                 profiled=profiler.kind is not None,
+                peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
                 **resident,
             )
         )
     finally:
-        if world > 1:
+        if distributed:
             dist.destroy_process_group()
+
+
+def _no_sync() -> None:
+    """What ``torch.cuda.synchronize`` is on the CPU: nothing to wait for."""
 
 
 # ---------------------------------------------------------------------- driver side
@@ -613,24 +697,32 @@ def _ratios(r: ImplResult, ref: ImplResult) -> dict[str, float]:
 
 def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str, Any]) -> str:
     repeat = len(next(iter(results.values())).runs)
+    cuda = cfg.device == "cuda"
+    setting = f" device={cfg.device} precision={cfg.precision}"
+    if (cfg.device, cfg.precision) == ("cpu", "fp32"):
+        setting = ""  # the table of the default run stays as it was
     lines = [
         f"model: {cfg.model}",
         f"world_size={cfg.world_size} batch/rank={cfg.batch} global tokens/step="
         f"{cfg.global_batch * cfg.model.seq_len} steps={cfg.steps} warmup={cfg.warmup} "
-        f"repeat={repeat} threads/rank={cfg.threads}",
+        f"repeat={repeat} threads/rank={cfg.threads}{setting}",
         "",
         f"{'impl':<11} {'step ms':>8} {'per-repeat':>15} {'cpu ms':>7} {'tokens/s':>9} "
-        f"{'peakRSS MiB/rank':>17} {'(over base)':>12} {'state MiB/rank':>15} {'final loss':>10}",
+        f"{'peakRSS MiB/rank':>17} {'(over base)':>12} {'state MiB/rank':>15} {'final loss':>10}"
+        + (f" {'peakCUDA MiB/rank':>18}" if cuda else ""),
     ]
     for name, r in results.items():
         runs = "/".join(f"{m * 1e3:.0f}" for m in r.run_medians)
         rss = "/".join(_mib(x) for x in r.peak_rss_per_rank)
         over = "/".join(_mib(x) for x in r.peak_rss_over_base_per_rank)
         state = "/".join(_mib(x.state_bytes) for x in r.ranks)
+        peak_cuda = "/".join(_mib(x) for x in r.peak_cuda_per_rank)
         flag = " (profiled)" if any(x.profiled for ranks in r.runs for x in ranks) else ""
         lines.append(
             f"{name:<11} {r.median_step_s * 1e3:>8.1f} {runs:>15} {r.median_cpu_s * 1e3:>7.0f} "
-            f"{r.tokens_per_s:>9.0f} {rss:>17} {over:>12} {state:>15} {r.final_loss:>10.6f}{flag}"
+            f"{r.tokens_per_s:>9.0f} {rss:>17} {over:>12} {state:>15} {r.final_loss:>10.6f}"
+            + (f" {peak_cuda:>18}" if cuda else "")
+            + flag
         )
     lines.append("")
     lines.append(f"{'phases ms':<11} {'forward':>8} {'backward':>9} {'optimizer':>10}")
@@ -685,6 +777,7 @@ class _Args:
     repeat: int
     loss_rtol: float
     json_out: str | None
+    parse_only: bool = False
 
 
 def _parse(argv: list[str] | None) -> _Args:
@@ -712,7 +805,30 @@ def _parse(argv: list[str] | None) -> _Args:
         default=",".join(IMPLS),
         help=f"comma-separated subset of {','.join(IMPLS)}",
     )
-    parser.add_argument("--loss-rtol", type=float, default=1e-4)
+    parser.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=None,
+        help="largest relative loss difference from the reference at any step "
+        "(default 1e-4; 2e-2 with --precision bf16)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks; cuda: NCCL, rank r on cuda:r (see [Note: device and precision])",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: autocast compute, and bf16 parameters / fp32 reduction for the FSDP ones",
+    )
+    parser.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="check the options, print the configuration as JSON and exit (nothing runs)",
+    )
     parser.add_argument("--profile", choices=PROFILERS, default=None)
     parser.add_argument("--profile-dir", default="runs/bench_train_profile")
     parser.add_argument("--json", default=None, help="write every measurement to this file")
@@ -721,8 +837,8 @@ def _parse(argv: list[str] | None) -> _Args:
     unknown = [name for name in impls if name not in IMPLS]
     if unknown or not impls:
         parser.error(f"--impls: unknown {unknown or impls}; choose from {', '.join(IMPLS)}")
-    if min(args.steps, args.repeat, args.batch) < 1 or args.warmup < 0 or args.world_size < 2:
-        parser.error("need --steps, --repeat, --batch >= 1, --warmup >= 0 and --world-size >= 2")
+    if min(args.steps, args.repeat, args.batch, args.world_size) < 1 or args.warmup < 0:
+        parser.error("need --steps, --repeat, --batch, --world-size >= 1 and --warmup >= 0")
     cores = os.cpu_count() or 1
     cfg = BenchConfig(
         model=GPTConfig(
@@ -742,8 +858,28 @@ def _parse(argv: list[str] | None) -> _Args:
         threads=args.threads or max(1, cores // args.world_size),
         profile=args.profile,
         profile_dir=args.profile_dir,
+        device=args.device,
+        precision=args.precision,
     )
-    return _Args(cfg, impls, args.repeat, args.loss_rtol, args.json)
+    loss_rtol = args.loss_rtol
+    if loss_rtol is None:
+        loss_rtol = BF16_LOSS_RTOL if args.precision == "bf16" else FP32_LOSS_RTOL
+    return _Args(cfg, impls, args.repeat, loss_rtol, args.json, args.parse_only)
+
+
+def _check_device(cfg: BenchConfig) -> str | None:
+    """Why ``cfg.device`` cannot run ``cfg.world_size`` ranks here, or ``None`` if it can."""
+    if cfg.device != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device here"
+    if cfg.world_size > torch.cuda.device_count():
+        return (
+            f"--device cuda: --world-size {cfg.world_size} needs that many GPUs, "
+            f"this machine has {torch.cuda.device_count()}"
+        )
+    return None
 
 
 def _record(
@@ -766,6 +902,7 @@ def _record(
                 "peak_rss_bytes_per_rank": r.peak_rss_per_rank,
                 "peak_rss_over_base_bytes_per_rank": r.peak_rss_over_base_per_rank,
                 "state_bytes": r.state_bytes,
+                "peak_cuda_bytes_per_rank": r.peak_cuda_per_rank,
                 "losses": r.losses,
                 "runs": [
                     [asdict(x) | {"state_bytes": x.state_bytes} for x in ranks] for ranks in r.runs
@@ -781,6 +918,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 1 if the losses of the implementations disagree."""
     args = _parse(argv)
     cfg = args.cfg
+    if args.parse_only:
+        config = asdict(cfg) | {"impls": args.impls, "repeat": args.repeat}
+        print(json.dumps(config | {"loss_rtol": args.loss_rtol, "json": args.json_out}))
+        return 0
+    problem = _check_device(cfg)
+    if problem is not None:
+        print(f"bench_train: {problem}", file=sys.stderr)
+        return 2
     load_before = os.getloadavg()
     started = time.perf_counter()
     runs: dict[str, list[list[RankResult]]] = {impl: [] for impl in args.impls}
