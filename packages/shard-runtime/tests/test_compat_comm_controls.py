@@ -20,48 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shard_runtime
 from shard_testing import RankPool
-from shard_testing.compat import BranchNet
-
-
-class _Counting:
-    """A custom collective's call counter and plain ``allocate``."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
-
-class _CountingAllGather(_Counting):
-    """A custom all-gather that counts its calls and delegates to torch.distributed."""
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _CountingReduceScatter(_Counting):
-    """A custom reduce-scatter that counts its calls and delegates to torch.distributed."""
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.calls += 1
-        return dist.reduce_scatter_single(
-            output_tensor, input_tensor, group=group, op=op, async_op=async_op
-        )
+from shard_testing.compat import BranchNet, CountingAllGather, CountingReduceScatter
 
 
 def _script(impl: str, case: str) -> dict[str, Any]:
@@ -85,7 +44,7 @@ def _script(impl: str, case: str) -> dict[str, Any]:
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the root holds l2
     root: Any = model
     seen: list[list[float]] = []
-    gather, scatter = _CountingAllGather(), _CountingReduceScatter()
+    gather, scatter = CountingAllGather(), CountingReduceScatter()
 
     def hook(output: torch.Tensor) -> None:
         seen.append(output.tolist())

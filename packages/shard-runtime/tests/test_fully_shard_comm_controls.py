@@ -22,7 +22,7 @@ from shard_runtime import FSDPModule, fully_shard, share_comm_ctx
 from shard_runtime._comm import CommContext, InFlight
 from shard_runtime._state import get_state
 from shard_testing import RankPool
-from shard_testing.compat import BranchNet
+from shard_testing.compat import BranchNet, CountingAllGather, CountingReduceScatter
 from shard_testing.compat import error as _error
 
 Grads = dict[str, list[float]]
@@ -325,58 +325,14 @@ def test_separate_reduce_scatter_group(rank_pool: RankPool, world: int, hsdp: bo
 # ---------------------------------------------------------------------- custom collectives
 
 
-class _CountingAllGather:
-    """Counts allocations and calls; delegates to torch.distributed."""
-
-    def __init__(self) -> None:
-        self.allocations: list[tuple[int, ...]] = []
-        self.calls = 0
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        self.allocations.append(tuple(size))
-        return torch.empty(*size, dtype=dtype, device=device)
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.calls += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-
-
-class _CountingReduceScatter(_CountingAllGather):
-    """Counts allocations, calls and ops; delegates to torch.distributed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __call__(  # type: ignore[override]
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.calls += 1
-        self.ops.append(str(op))
-        return dist.reduce_scatter_single(
-            output_tensor, input_tensor, group=group, op=op, async_op=async_op
-        )
-
-
-class _WrongSize(_CountingAllGather):
+class _WrongSize(CountingAllGather):
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(1, dtype=dtype, device=device)
 
 
 def _custom_comms(hsdp: bool) -> dict[str, Any]:
     model, _ = _sharded(hsdp)
-    gather, scatter = _CountingAllGather(), _CountingReduceScatter()
+    gather, scatter = CountingAllGather(), CountingReduceScatter()
     model.l1.set_custom_all_gather(gather)  # type: ignore[operator]
     model.l1.set_custom_reduce_scatter(scatter)  # type: ignore[operator]
     with count_collectives() as counts:
@@ -416,7 +372,7 @@ def test_custom_all_gather_and_reduce_scatter(rank_pool: RankPool, world: int, h
         assert result["counted"] == (2, 1)
         for conflict in result["conflicts"]:
             assert conflict.startswith("AssertionError: set_")
-            assert "cannot be used with the custom communication _CountingAllGather" in conflict
+            assert "cannot be used with the custom communication CountingAllGather" in conflict
         assert result["wrong"].startswith(
             "CommError: _WrongSize.allocate returned a tensor of 1 elements for the all-gather "
             "output of"

@@ -5,7 +5,8 @@ A compat test runs one rank function twice, with ``impl="torch"`` and
 losses, exception types). The helpers here are the pieces every such test
 (and many single-library tests) needs: outcomes of a call as strings, a 1-D
 CPU mesh over the pool's ranks, the library namespace that ``impl`` names,
-and a tensor-parallel toy model.
+custom collectives that count what they are asked to do (the protocol of
+``set_custom_all_gather`` / ``set_custom_reduce_scatter``), and toy models.
 
 Nothing here imports ``torch.distributed.fsdp`` or ``shard_runtime`` when
 the module is imported: :func:`fsdp_namespace` imports the one it is asked
@@ -18,7 +19,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "BranchNet",
+    "CountingAllGather",
+    "CountingReduceScatter",
     "Impl",
     "TPBlock",
     "TPModel",
@@ -134,3 +137,58 @@ class TPModel(nn.Module):
             x = block(x)
         out: torch.Tensor = self.head(x)
         return out
+
+
+class CountingAllGather:
+    """A custom all-gather that records its allocations and calls, then delegates to gloo/NCCL.
+
+    Tests check that a unit really called the user's object, and with what
+    buffer sizes, while the training result stays that of the plain collective.
+    """
+
+    def __init__(self) -> None:
+        self.allocations: list[tuple[int, ...]] = []
+        self.calls = 0
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A fresh buffer of ``size``; its shape is recorded."""
+        self.allocations.append(tuple(size))
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """``all_gather_into_tensor`` of ``input_tensor`` into ``output_tensor``, counted."""
+        self.calls += 1
+        work: dist.Work | None = dist.all_gather_single(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+        return work
+
+
+class CountingReduceScatter(CountingAllGather):
+    """A custom reduce-scatter that records allocations, calls and reduce ops, then delegates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __call__(  # type: ignore[override]
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        """``reduce_scatter_tensor`` with ``op``, counted and the op recorded."""
+        self.calls += 1
+        self.ops.append(str(op))
+        work: dist.Work | None = dist.reduce_scatter_single(
+            output_tensor, input_tensor, group=group, op=op, async_op=async_op
+        )
+        return work
