@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shard_runtime import flat_shard_placement, fully_shard
 from shard_runtime._flat_shard import shard_numel
-from shard_testing import RankPool
+from shard_testing import RankPool, train_reference
 from shard_testing.models import ToyNet, toy_batches
 
 STEPS = 3
@@ -77,18 +77,13 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reference(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = ToyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for step in toy_batches(world, STEPS):
-        x = torch.cat([x for x, _ in step[0]])
-        y = torch.cat([y for _, y in step[0]])
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    run = train_reference(
+        model_factory=ToyNet,
+        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=0.05),
+        loss_fn=nn.functional.mse_loss,
+        batches=[step[0] for step in toy_batches(world, STEPS)],
+    )
+    return run.losses.tolist(), run.state_dict
 
 
 @pytest.mark.parametrize("world", [3, 4])
