@@ -86,7 +86,7 @@ class TrainOptions:
         ckpt_every: Save every this many steps (and at the end); 0: only at the end.
         resume: Continue from the checkpoint in ``ckpt_dir``.
         sample_chars: Characters of text generated at the end (0: none).
-        measure_step: The first of the three steps profiled for peak memory
+        measure_step: The first of the five steps profiled for peak memory
             and communication time; ``None``: the second step of this launch.
         timeout_s: Collective timeout: a rank that stops answering ends the
             job after this long.
