@@ -88,8 +88,7 @@ def test_killed_rank_restarts_and_losses_continue_exactly(
 def test_without_restarts_the_kill_ends_the_run_and_leaves_the_checkpoint_loadable(
     tmp_path: Path,
 ) -> None:
-    """No --max-restarts: exit 1 naming rank 1, rank 0's named failure on the console; the
-    step-3 checkpoint reads back whole.
+    """No --max-restarts: exit 1 naming rank 1; the step-3 checkpoint reads back whole.
 
     (``--resume`` from such a checkpoint continuing exactly is tested in
     ``test_cli_train.py``; here every tensor is read back, in one process.)
@@ -99,9 +98,6 @@ def test_without_restarts_the_kill_ends_the_run_and_leaves_the_checkpoint_loadab
     assert killed.returncode == 1, output(killed)
     assert "shard train: stopped: rank 1 was killed by SIGKILL" in killed.stderr, output(killed)
     assert "last checkpoint: run/checkpoint (step 3, complete and loadable)" in killed.stderr
-    # The agent's SIGTERM waits for rank 0's flight records to be compared.
-    assert "collective failed on rank 0 of 2: " in killed.stderr, output(killed)
-    assert "did not answer: rank 1 (dead, or stuck outside a collective" in killed.stderr
     assert "Traceback" not in killed.stderr
     assert [step for step, _ in losses(tmp_path / "run")][:3] == [1, 2, 3]
     full = consolidate(tmp_path / "run" / "checkpoint", tmp_path / "full.pt", fmt="torch")
