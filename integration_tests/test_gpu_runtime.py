@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shard_comms as sc
-from shard_comms import _init
+from shard_comms import _process_group, plumbing
 from shard_runtime import (
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
@@ -38,14 +38,14 @@ def nccl_world() -> Iterator[sc.DistributedState]:
     """One world-of-one NCCL group for the module (the runtime caches meshes on it)."""
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
-    sc.clear_device_handle_cache()
+    plumbing.clear_device_handle_cache()
     state = sc.init_distributed(timeout=60)
     try:
         yield state
     finally:
         dist.destroy_process_group()
-        _init._STATE = None
-        _init._STATE_GROUP = None
+        _process_group._STATE = None
+        _process_group._STATE_GROUP = None
 
 
 def _train(model: nn.Module, steps: int = 3) -> list[float]:

@@ -10,7 +10,8 @@ Spawns ``--world-size`` ranks (2 by default) on gloo, then for every size in
 - staging buffers: ``shard_comms.reduce_scatter`` of an fp32 gradient in bf16
   with the buffer cache (reused) vs with the cache cleared before every call
   (fresh), and a plain copy into an existing buffer vs into a fresh one;
-- one unit of 8 tensors: ``shard_comms.all_gather_many`` vs 8 all-gathers.
+- one unit of 8 tensors: packed into one buffer for one ``shard_comms.all_gather``
+  (what the runtime does per unit) vs 8 all-gathers.
 
 Cases of a group run interleaved, round by round, each after a barrier; the
 table reports the median over ``--iters`` rounds (the slowest rank's), the
@@ -37,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shard_comms as sc
+from shard_comms import plumbing
 
 MiB = 1 << 20
 
@@ -84,13 +86,22 @@ def _cases(size_mib: float, world: int, rank: int) -> list[tuple[str, str, Calla
         out.copy_(grad[out_slice])
 
     def ours_fresh_cast() -> None:
-        sc.clear_buffer_cache()
+        plumbing.clear_buffer_cache()
         sc.reduce_scatter(out, grad, reduce_dtype=torch.bfloat16)
 
     pieces = 8
     piece = shard_numel // pieces
     piece_shards = [torch.randn(piece) for _ in range(pieces)]
     piece_outputs = [torch.empty(piece * world) for _ in range(pieces)]
+    packed_in = torch.empty(piece * pieces)
+    packed_out = torch.empty(piece * pieces * world)
+
+    def packed_all_gather() -> None:
+        torch.cat(piece_shards, out=packed_in)
+        sc.all_gather(packed_out, packed_in)
+        rows = packed_out.view(world, pieces, piece)
+        for index, output in enumerate(piece_outputs):
+            output.view(world, piece).copy_(rows[:, index])
 
     def per_tensor_all_gathers() -> None:
         for out_piece, shard_piece in zip(piece_outputs, piece_shards, strict=True):
@@ -116,11 +127,7 @@ def _cases(size_mib: float, world: int, rank: int) -> list[tuple[str, str, Calla
         ("copy", "copy into fresh buffer", lambda: torch.empty(numel).copy_(copy_source)),
         ("copy", "copy into existing buffer", lambda: copy_target.copy_(copy_source)),
         ("unit of 8 tensors", "8 x all_gather_single", per_tensor_all_gathers),
-        (
-            "unit of 8 tensors",
-            "shard all_gather_many",
-            lambda: sc.all_gather_many(piece_outputs, piece_shards),
-        ),
+        ("unit of 8 tensors", "shard all_gather, packed unit", packed_all_gather),
     ]
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shard_comms as sc
-from shard_comms import _collectives
+from shard_comms import _collectives, plumbing
 from shard_comms._buffers import BufferCache, _bucket
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -64,18 +64,12 @@ def _rank_chunked_all_gather(numel: int, async_op: bool) -> list[torch.Tensor]:
     _collectives._GATHER_CHUNK_BYTES = 40
     try:
         output = torch.zeros(numel * world)
-        many = [torch.zeros(numel * world), torch.zeros(2 * world)]
-        shards = [
-            _values(100 * rank, numel, torch.float32),
-            _values(100 * rank + 1, 2, torch.float32),
-        ]
         with sc.count_collectives() as counts:
             handle = sc.all_gather(output, _values(rank, numel, torch.float32), async_op=async_op)
             handle.wait()
-            sc.all_gather_many(many, shards, async_op=async_op).wait()
     finally:
         _collectives._GATHER_CHUNK_BYTES = saved
-    return [output, *many, torch.tensor(counts.calls("all_gather"))]
+    return [output, torch.tensor(counts.calls("all_gather"))]
 
 
 def _rank_reduce_scatter(
@@ -102,37 +96,6 @@ def _rank_fp16_overflow(pre_divide: float | None) -> torch.Tensor:
     output = torch.empty(2, dtype=torch.float16)
     sc.reduce_scatter(output, grad, op="avg", pre_divide=pre_divide)
     return output
-
-
-def _rank_many_all_gather(sizes: list[int], out_dtype: torch.dtype) -> list[torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    shards = [_values(100 * rank + i, n, torch.float32) for i, n in enumerate(sizes)]
-    outputs = [torch.full((n * world,), 99.0, dtype=out_dtype) for n in sizes]
-    with sc.count_collectives() as counts:
-        sc.all_gather_many(outputs, shards)
-    return [*outputs, torch.tensor(counts.calls())]
-
-
-def _rank_many_reduce_scatter(
-    sizes: list[int], dtype: torch.dtype, algorithm: str, async_op: bool
-) -> list[torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    grads = [_values(100 * rank + i, n * world, dtype) for i, n in enumerate(sizes)]
-    outputs = [torch.full((n,), 99.0, dtype=dtype) for n in sizes]
-    with sc.count_collectives() as counts:
-        handle = sc.reduce_scatter_many(
-            outputs, grads, op="avg", algorithm=algorithm, async_op=async_op
-        )
-        handle.wait()
-    return [*outputs, torch.tensor(counts.calls())]
-
-
-def _rank_many_reduce_scatter_cast(sizes: list[int]) -> list[torch.Tensor]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    grads = [_values(100 * rank + i, n * world, torch.float32) for i, n in enumerate(sizes)]
-    outputs = [torch.zeros(n) for n in sizes]
-    sc.reduce_scatter_many(outputs, grads, op="avg", reduce_dtype=torch.bfloat16)
-    return outputs
 
 
 def _rank_all_reduce(
@@ -172,7 +135,6 @@ def _rank_errors() -> list[str]:
         lambda: sc.reduce_scatter(torch.empty(2), torch.empty(2 * world + 1)),
         lambda: sc.reduce_scatter(torch.empty(2), torch.empty(2 * world), algorithm="ring"),
         lambda: sc.reduce_scatter(torch.empty(4, 2).t(), torch.empty(8 * world)),
-        lambda: sc.all_gather_many([torch.empty(2)], [torch.empty(1), torch.empty(1)]),
         lambda: sc.broadcast(torch.empty(2), src=world),
     ]
     for attempt in attempts:
@@ -233,15 +195,9 @@ def test_large_cpu_all_gathers_run_in_chunks_with_the_same_result(
     """Above the chunk size (40 bytes here) gathers run in pieces, land the same, count once."""
     results = rank_pool.run(_rank_chunked_all_gather, 3, 7, async_op)
     expected = torch.cat([_values(r, 7, torch.float32) for r in range(3)])
-    expected_many = [
-        torch.cat([_values(100 * r + i, n, torch.float32) for r in range(3)])
-        for i, n in enumerate([7, 2])
-    ]
-    for output, first, second, calls in results:
+    for output, calls in results:
         assert torch.equal(output, expected)
-        assert torch.equal(first, expected_many[0])
-        assert torch.equal(second, expected_many[1])
-        assert int(calls) == 2
+        assert int(calls) == 1
 
 
 # ---------------------------------------------------------------------------
@@ -284,7 +240,7 @@ def test_reduce_scatter_avg_applies_default_divide_factors(
     rank_pool: Any, world_size: int, dtype: torch.dtype
 ) -> None:
     """op='avg' divides by the default pre factor before and the post factor after the sum."""
-    pre, post = sc.default_divide_factors(world_size)
+    pre, post = plumbing.default_divide_factors(world_size)
     results = rank_pool.run(_rank_reduce_scatter, world_size, 6, dtype, {"op": "avg"}, None)
     expected = _reference_reduce_scatter(world_size, 6, dtype, pre, post)
     for result, reference in zip(results, expected, strict=True):
@@ -337,72 +293,6 @@ def test_reduce_scatter_of_empty_gradient(rank_pool: Any, world_size: int) -> No
 
 
 # ---------------------------------------------------------------------------
-# Several tensors in one collective
-# ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_all_gather_many_gathers_uneven_and_empty_tensors_in_one_call(
-    rank_pool: Any, world_size: int
-) -> None:
-    """Tensors of 3, 0, 5 and 1 elements per rank gather in one call (none at world size 1)."""
-    sizes = [3, 0, 5, 1]
-    results = rank_pool.run(_rank_many_all_gather, world_size, sizes, torch.float32)
-    for result in results:
-        *outputs, calls = result
-        for index, (output, n) in enumerate(zip(outputs, sizes, strict=True)):
-            shards = [_values(100 * r + index, n, torch.float32) for r in range(world_size)]
-            assert torch.equal(output, torch.cat(shards))
-        assert int(calls) == (0 if world_size == 1 else 1)
-
-
-def test_all_gather_many_casts_into_output_dtype(rank_pool: Any) -> None:
-    """fp32 shards gathered into bf16 outputs arrive cast."""
-    sizes = [2, 3]
-    results = rank_pool.run(_rank_many_all_gather, 2, sizes, torch.bfloat16)
-    for *outputs, _ in results:
-        for index, (output, n) in enumerate(zip(outputs, sizes, strict=True)):
-            shards = [_values(100 * r + index, n, torch.float32) for r in range(2)]
-            assert torch.equal(output, torch.cat(shards).to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_reduce_scatter_many_matches_per_tensor_reference(
-    rank_pool: Any, world_size: int, algorithm: str, dtype: torch.dtype
-) -> None:
-    """Gradients of uneven and empty sizes average in one call, each into its own slice."""
-    sizes = [2, 0, 3]
-    results = rank_pool.run(
-        _rank_many_reduce_scatter, world_size, sizes, dtype, algorithm, world_size == 3
-    )
-    pre, post = sc.default_divide_factors(world_size)
-    for rank, result in enumerate(results):
-        *outputs, calls = result
-        for index, (output, n) in enumerate(zip(outputs, sizes, strict=True)):
-            grads = [
-                _values(100 * r + index, n * world_size, dtype) / pre for r in range(world_size)
-            ]
-            expected = (_sum(grads) / post)[rank * n : (rank + 1) * n]
-            assert torch.equal(output, expected)
-        assert int(calls) == (0 if world_size == 1 else 1)
-
-
-def test_reduce_scatter_many_in_reduce_dtype(rank_pool: Any) -> None:
-    """fp32 gradients reduced together in bf16 land in fp32 outputs as the bf16 result."""
-    sizes = [4, 1]
-    results = rank_pool.run(_rank_many_reduce_scatter_cast, 2, sizes)
-    for rank, outputs in enumerate(results):
-        for index, (output, n) in enumerate(zip(outputs, sizes, strict=True)):
-            grads = [
-                _values(100 * r + index, n * 2, torch.float32).to(torch.bfloat16) for r in range(2)
-            ]
-            expected = (_sum(grads) / 2.0)[rank * n : (rank + 1) * n].to(torch.float32)
-            assert torch.equal(output, expected)
-
-
-# ---------------------------------------------------------------------------
 # All-reduce, broadcast
 # ---------------------------------------------------------------------------
 
@@ -411,7 +301,7 @@ def test_reduce_scatter_many_in_reduce_dtype(rank_pool: Any) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce_averages_in_place(rank_pool: Any, world_size: int, dtype: torch.dtype) -> None:
     """op='avg' leaves every rank the average, shape kept, with the default factors."""
-    pre, post = sc.default_divide_factors(world_size)
+    pre, post = plumbing.default_divide_factors(world_size)
     results = rank_pool.run(_rank_all_reduce, world_size, 8, dtype, {"op": "avg"}, False)
     expected = (_sum([_values(r, 8, dtype) / pre for r in range(world_size)]) / post).view(2, 4)
     assert all(torch.equal(result, expected) for result in results)
@@ -450,7 +340,6 @@ def test_collectives_name_the_mismatch_and_the_fix(rank_pool: Any) -> None:
         "unknown reduce-scatter algorithm 'ring'; use 'auto', 'reduce_scatter' or 'all_reduce'",
         "reduce_scatter: output must be contiguous (it is written in place); pass a "
         "contiguous tensor, e.g. a view of a flat buffer",
-        "all_gather_many: 1 outputs for 2 shards; pass one output per shard",
         "broadcast: src=2 is not a rank of a group of size 2",
     ]
 
@@ -475,27 +364,27 @@ def test_collective_without_process_group_says_to_initialise(
 )  # fmt: skip
 def test_default_divide_factors(world_size: int, factors: tuple[float, float]) -> None:
     """The pre factor is the largest power of two dividing N with pre**2 <= N; pre*post == N."""
-    assert sc.default_divide_factors(world_size) == factors
+    assert plumbing.default_divide_factors(world_size) == factors
 
 
 def test_resolve_divide_factors_completes_and_checks_the_pair() -> None:
     """'avg' completes a lone factor and rejects a pair whose product is not N; 'sum' keeps 1s."""
-    assert sc.resolve_divide_factors("avg", 8, 4.0, None) == (4.0, 2.0)
-    assert sc.resolve_divide_factors("avg", 8, None, 8.0) == (1.0, 8.0)
-    assert sc.resolve_divide_factors("sum", 8, None, None) == (1.0, 1.0)
-    assert sc.resolve_divide_factors("sum", 8, 2.0, None) == (2.0, 1.0)
+    assert plumbing.resolve_divide_factors("avg", 8, 4.0, None) == (4.0, 2.0)
+    assert plumbing.resolve_divide_factors("avg", 8, None, 8.0) == (1.0, 8.0)
+    assert plumbing.resolve_divide_factors("sum", 8, None, None) == (1.0, 1.0)
+    assert plumbing.resolve_divide_factors("sum", 8, 2.0, None) == (2.0, 1.0)
     with pytest.raises(
         sc.CommError, match=re.escape("needs pre_divide * post_divide == 8, got 2.0 * 2.0")
     ):
-        sc.resolve_divide_factors("avg", 8, 2.0, 2.0)
+        plumbing.resolve_divide_factors("avg", 8, 2.0, 2.0)
     with pytest.raises(
         sc.CommError, match=re.escape("pre_divide must be a positive number, got 0.0")
     ):
-        sc.resolve_divide_factors("avg", 8, 0.0, None)
+        plumbing.resolve_divide_factors("avg", 8, 0.0, None)
     with pytest.raises(
         sc.CommError, match=re.escape("unknown reduce op 'max'; use 'sum' or 'avg'")
     ):
-        sc.resolve_divide_factors("max", 8, None, None)
+        plumbing.resolve_divide_factors("max", 8, None, None)
 
 
 def test_staging_buffers_are_reused_across_calls(rank_pool: Any) -> None:

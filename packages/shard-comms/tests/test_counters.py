@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import shard_comms as sc
+from shard_comms import plumbing
 from shard_comms._counters import record_collective
 
 # ---------------------------------------------------------------------------
@@ -21,18 +22,12 @@ from shard_comms._counters import record_collective
 
 def _every_collective(world: int) -> None:
     sc.all_gather(torch.empty(4 * world), torch.ones(4), label="a")
-    sc.all_gather_many(
-        [torch.empty(2 * world), torch.empty(3 * world)], [torch.ones(2), torch.ones(3)], label="a"
-    )
     sc.reduce_scatter(torch.empty(4), torch.ones(4 * world), op="avg", label="b")
     sc.reduce_scatter(
         torch.empty(4),
         torch.ones(4 * world),
         reduce_dtype=torch.bfloat16,
         algorithm="reduce_scatter",
-    )
-    sc.reduce_scatter_many(
-        [torch.empty(1), torch.empty(2)], [torch.ones(world), torch.ones(2 * world)]
     )
     sc.all_reduce(torch.ones(5, dtype=torch.float16), op="avg", label="b")
     sc.broadcast(torch.ones(6, dtype=torch.float64))
@@ -71,7 +66,7 @@ def test_world_size_one_makes_no_collective_calls(rank_pool: Any) -> None:
     """At world size 1 every collective is local: the counters stay at zero."""
     (result,) = rank_pool.run(_rank_count_everything, 1)
     zero = {"calls": 0, "bytes": 0}
-    assert result["block"] == dict.fromkeys(sc.COLLECTIVE_KINDS, zero)
+    assert result["block"] == dict.fromkeys(plumbing.COLLECTIVE_KINDS, zero)
     assert result["global"] == result["block"]
 
 
@@ -79,12 +74,12 @@ def test_world_size_one_makes_no_collective_calls(rank_pool: Any) -> None:
 def test_counts_one_call_per_collective_with_unsharded_bytes(
     rank_pool: Any, world_size: int
 ) -> None:
-    """Each collective counts once (several tensors too), with its unsharded buffer's bytes."""
+    """Each collective counts once, with its unsharded buffer's bytes."""
     results = rank_pool.run(_rank_count_everything, world_size)
     w = world_size
     expected = {
-        "all_gather": {"calls": 2, "bytes": 4 * w * 4 + 5 * w * 4},
-        "reduce_scatter": {"calls": 3, "bytes": 4 * w * 4 + 4 * w * 2 + 3 * w * 4},
+        "all_gather": {"calls": 1, "bytes": 4 * w * 4},
+        "reduce_scatter": {"calls": 2, "bytes": 4 * w * 4 + 4 * w * 2},
         "all_reduce": {"calls": 1, "bytes": 5 * 2},
         "broadcast": {"calls": 1, "bytes": 6 * 8},
     }
@@ -92,7 +87,7 @@ def test_counts_one_call_per_collective_with_unsharded_bytes(
         assert result["block"] == expected
         assert result["global"] == expected
         assert result["labels"] == ["a", "b"]
-        assert result["a"] == sc.CollectiveStats(calls=2, bytes=4 * w * 4 + 5 * w * 4)
+        assert result["a"] == sc.CollectiveStats(calls=1, bytes=4 * w * 4)
         assert result["b_rs"] == sc.CollectiveStats(calls=1, bytes=4 * w * 4)
         assert result["b_ar"] == sc.CollectiveStats(calls=1, bytes=10)
         assert result["b_calls"] == 2

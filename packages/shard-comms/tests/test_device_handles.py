@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 import shard_comms as sc
-from shard_comms import _device
+from shard_comms import _device, plumbing
 from shard_core import CpuDeviceHandle
 from shard_core.errors import UnknownPluginNameError
 
@@ -51,9 +51,9 @@ class _FakeRegistry:
 
 @pytest.fixture(autouse=True)
 def _fresh_cache() -> Iterator[None]:
-    sc.clear_device_handle_cache()
+    plumbing.clear_device_handle_cache()
     yield
-    sc.clear_device_handle_cache()
+    plumbing.clear_device_handle_cache()
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, registry: _FakeRegistry, accelerator: str | None) -> None:
@@ -94,7 +94,7 @@ def test_handles_are_cached_until_cleared(monkeypatch: pytest.MonkeyPatch) -> No
         sc.get_device_handle("xpu:1")
         sc.get_device_handle()
     assert registry.lookups == ["xpu", "cpu"]
-    sc.clear_device_handle_cache()
+    plumbing.clear_device_handle_cache()
     sc.get_device_handle("xpu")
     assert registry.lookups == ["xpu", "cpu", "xpu"]
 

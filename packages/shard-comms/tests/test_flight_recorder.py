@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import shard_comms as sc
-from shard_comms import _diagnose, _flight
+from shard_comms import _diagnose, _flight, plumbing
 from shard_core.errors import CollectiveError, CommError
 
 
@@ -67,14 +67,14 @@ def test_the_environment_sets_the_capacity(monkeypatch: pytest.MonkeyPatch) -> N
     """SHARD_FLIGHT_RECORDER sizes the ring; a non-number names the variable and the fix."""
     monkeypatch.setenv("SHARD_FLIGHT_RECORDER", "16")
     try:
-        assert sc.reset_flight_recorder().capacity == 16
+        assert plumbing.reset_flight_recorder().capacity == 16
         monkeypatch.setenv("SHARD_FLIGHT_RECORDER", "many")
         with pytest.raises(CommError, match="SHARD_FLIGHT_RECORDER='many'"):
-            sc.reset_flight_recorder()
+            plumbing.reset_flight_recorder()
         monkeypatch.delenv("SHARD_FLIGHT_RECORDER")
-        assert sc.reset_flight_recorder().capacity == _flight.DEFAULT_CAPACITY
+        assert plumbing.reset_flight_recorder().capacity == _flight.DEFAULT_CAPACITY
     finally:
-        sc.reset_flight_recorder()
+        plumbing.reset_flight_recorder()
     with pytest.raises(CommError, match="must be >= 0"):
         sc.FlightRecorder(-1)
 
@@ -128,14 +128,14 @@ def test_the_dump_table_marks_the_first_difference(tmp_path: Any) -> None:
 
 def test_a_failure_without_a_process_group_still_names_this_rank() -> None:
     """No default group: the message names rank 0, its last collective, and keeps going."""
-    recorder = sc.reset_flight_recorder(8)
+    recorder = plumbing.reset_flight_recorder(8)
     try:
         entry = recorder.issue(
             "all_gather", "layers.3", "backward all-gather", None, 4, 16, torch.float32
         )
         error = _diagnose.collective_failure(entry, RuntimeError("Timed out waiting 5000ms"))
     finally:
-        sc.reset_flight_recorder()
+        plumbing.reset_flight_recorder()
     assert isinstance(error, CollectiveError)
     assert isinstance(error, RuntimeError)
     message = str(error)
@@ -147,8 +147,8 @@ def test_a_failure_without_a_process_group_still_names_this_rank() -> None:
 
 
 def _rank_records() -> list[tuple[str, str | None, str, int, str, int]]:
-    sc.reset_flight_recorder(32)
-    sc.set_flight_step(5)
+    plumbing.reset_flight_recorder(32)
+    plumbing.set_flight_step(5)
     flat = torch.ones(4)
     world_size = dist.get_world_size()
     out = torch.empty(4 * world_size)
@@ -158,7 +158,7 @@ def _rank_records() -> list[tuple[str, str | None, str, int, str, int]]:
     handle.wait()
     sc.reduce_scatter(torch.empty(4), torch.ones(4 * world_size), label="layers.0")
     entries = sc.flight_recorder().entries()
-    sc.reset_flight_recorder()
+    plumbing.reset_flight_recorder()
     assert issued == "issued"
     return [(e.op, e.label, e.phase, e.step, e.state, e.seq) for e in entries]
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from shard_comms import _device, _init
+from shard_comms import _device, _process_group
 from shard_core import CpuDeviceHandle
 from shard_core.errors import DistributedInitError, UnknownPluginNameError
 
@@ -55,7 +55,7 @@ class _Cuda:
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv(_init.SHARD_DEVICE_ENV, raising=False)
+    monkeypatch.delenv(_process_group.SHARD_DEVICE_ENV, raising=False)
     _device.clear_device_handle_cache()
     yield
     _device.clear_device_handle_cache()
@@ -70,9 +70,9 @@ def _machine(
 ) -> None:
     """Fake what torch sees (``torch.accelerator`` and CUDA) and the plugin registry."""
     monkeypatch.setattr(_device, "get_registry", lambda: registry)
-    monkeypatch.setattr(_init, "get_registry", lambda: registry)
+    monkeypatch.setattr(_process_group, "get_registry", lambda: registry)
     monkeypatch.setattr(_device, "current_accelerator_type", lambda: accelerator)
-    monkeypatch.setattr(_init, "current_accelerator_type", lambda: accelerator)
+    monkeypatch.setattr(_process_group, "current_accelerator_type", lambda: accelerator)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
 
 
@@ -82,7 +82,7 @@ def test_visible_gpu_without_plugin_names_the_distribution(
     """A visible CUDA GPU with no shard plugin for it raises, naming shard-device-cuda."""
     _machine(monkeypatch, _Registry(), accelerator="cuda", cuda=True)
     with pytest.raises(DistributedInitError) as info:
-        _init.resolve_device_handle()
+        _process_group.resolve_device_handle()
     assert str(info.value) == (
         f"a 'cuda' accelerator is visible but shard would run on the CPU with gloo: {HINT}; "
         f"{OPT_OUT}"
@@ -93,14 +93,14 @@ def test_cuda_seen_only_by_torch_cuda_is_still_an_error(monkeypatch: pytest.Monk
     """torch.cuda.is_available() alone (no torch.accelerator answer) is enough to refuse."""
     _machine(monkeypatch, _Registry(), accelerator=None, cuda=True)
     with pytest.raises(DistributedInitError, match=r"^a 'cuda' accelerator is visible"):
-        _init.resolve_device_handle()
+        _process_group.resolve_device_handle()
 
 
 def test_unusable_plugin_handle_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plugin that serves CUDA but finds it unusable is an error too, naming the handle."""
     _machine(monkeypatch, _Registry(_Cuda(available=False)), accelerator="cuda", cuda=True)
     with pytest.raises(DistributedInitError) as info:
-        _init.resolve_device_handle()
+        _process_group.resolve_device_handle()
     assert str(info.value) == (
         "a 'cuda' accelerator is visible but its shard device handle (_Cuda) reports "
         "it unusable, so shard would run on the CPU with gloo; check the driver and that this "
@@ -113,14 +113,14 @@ def test_init_distributed_refuses_before_creating_a_group(
 ) -> None:
     """init_distributed raises the error itself and never reaches init_process_group."""
     _machine(monkeypatch, _Registry(), accelerator="cuda", cuda=True)
-    monkeypatch.setattr(_init.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(_process_group.dist, "is_initialized", lambda: False)
     calls: list[object] = []
-    monkeypatch.setattr(_init.dist, "init_process_group", lambda *a, **k: calls.append(a))
-    monkeypatch.setattr(_init, "_STATE", None)
+    monkeypatch.setattr(_process_group.dist, "init_process_group", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(_process_group, "_STATE", None)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(DistributedInitError, match="install shard-device-cuda from the shard"):
-        _init.init_distributed()
+        _process_group.init_distributed()
     assert calls == []
 
 
@@ -130,10 +130,10 @@ def test_cpu_opt_out_keeps_the_cpu(monkeypatch: pytest.MonkeyPatch, how: str) ->
     registry = _Registry()
     _machine(monkeypatch, registry, accelerator="cuda", cuda=True)
     if how == "env":
-        monkeypatch.setenv(_init.SHARD_DEVICE_ENV, "cpu")
-        handle = _init.resolve_device_handle()
+        monkeypatch.setenv(_process_group.SHARD_DEVICE_ENV, "cpu")
+        handle = _process_group.resolve_device_handle()
     else:
-        handle = _init.resolve_device_handle("cpu")
+        handle = _process_group.resolve_device_handle("cpu")
     assert handle is registry.cpu
     assert registry.lookups == ["cpu"]
 
@@ -142,7 +142,7 @@ def test_cpu_only_machine_is_unaffected(monkeypatch: pytest.MonkeyPatch) -> None
     """Without any accelerator the CPU handle is used and nothing is raised."""
     registry = _Registry()
     _machine(monkeypatch, registry, accelerator=None, cuda=False)
-    assert _init.resolve_device_handle() is registry.cpu
+    assert _process_group.resolve_device_handle() is registry.cpu
 
 
 def test_served_gpu_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,10 +150,10 @@ def test_served_gpu_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = _Cuda(available=True)
     registry = _Registry(cuda)
     _machine(monkeypatch, registry, accelerator="cuda", cuda=True)
-    assert _init.resolve_device_handle() is cuda
+    assert _process_group.resolve_device_handle() is cuda
 
 
 def test_this_machine_resolves_without_error() -> None:
     """On the real machine (CPU in CI, with shard-device-cuda installed) resolution succeeds."""
-    handle = _init.resolve_device_handle()
+    handle = _process_group.resolve_device_handle()
     assert handle.device_type == ("cuda" if torch.cuda.is_available() else "cpu")

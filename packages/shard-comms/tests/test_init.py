@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore
 
 import shard_comms as sc
-from shard_comms import _init
+from shard_comms import _process_group, plumbing
 from shard_core import CpuDeviceHandle
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -60,14 +60,14 @@ class _FakeAccelerator:
 
 def test_no_launch_variables_is_a_world_of_one() -> None:
     """With none of the launcher's variables set the process is rank 0 of 1, not launched."""
-    assert sc.parse_launch_env({}) == sc.LaunchEnv(
+    assert plumbing.parse_launch_env({}) == plumbing.LaunchEnv(
         rank=0, world_size=1, local_rank=0, master_addr=None, master_port=None, launched=False
     )
 
 
 def test_torchrun_variables_are_read() -> None:
     """torchrun's variables give rank, world size, local rank and the rendezvous address."""
-    assert sc.parse_launch_env(TORCHRUN) == sc.LaunchEnv(
+    assert plumbing.parse_launch_env(TORCHRUN) == plumbing.LaunchEnv(
         rank=3, world_size=8, local_rank=1, master_addr="node0", master_port=29500, launched=True
     )
 
@@ -81,7 +81,7 @@ def test_torchrun_variables_are_read() -> None:
 )
 def test_local_rank_defaults(environ: dict[str, str], local_rank: int) -> None:
     """Without LOCAL_RANK the local rank is RANK modulo LOCAL_WORLD_SIZE, else RANK itself."""
-    assert sc.parse_launch_env(environ).local_rank == local_rank
+    assert plumbing.parse_launch_env(environ).local_rank == local_rank
 
 
 @pytest.mark.parametrize(
@@ -103,20 +103,20 @@ def test_local_rank_defaults(environ: dict[str, str], local_rank: int) -> None:
 def test_malformed_launch_variables_are_named(environ: dict[str, str], message: str) -> None:
     """A partial or malformed environment raises DistributedInitError naming the variable."""
     with pytest.raises(sc.DistributedInitError, match=re.escape(message)):
-        sc.parse_launch_env(environ)
+        plumbing.parse_launch_env(environ)
 
 
 def test_backend_follows_the_device_handle() -> None:
     """CPU picks gloo, a usable accelerator its own backend, an unusable one gloo."""
-    assert sc.choose_backend(CpuDeviceHandle()) == "gloo"
-    assert sc.choose_backend(_FakeAccelerator()) == "nccl"  # type: ignore[arg-type]
-    assert sc.choose_backend(_FakeAccelerator(available=False)) == "gloo"  # type: ignore[arg-type]
+    assert plumbing.choose_backend(CpuDeviceHandle()) == "gloo"
+    assert plumbing.choose_backend(_FakeAccelerator()) == "nccl"  # type: ignore[arg-type]
+    assert plumbing.choose_backend(_FakeAccelerator(available=False)) == "gloo"  # type: ignore[arg-type]
 
 
 def test_plan_for_a_single_cpu_process() -> None:
     """A world of one on CPU: gloo, in-memory store (no init method), torch's default timeout."""
-    plan = sc.plan_init(sc.parse_launch_env({}), CpuDeviceHandle())
-    assert plan == sc.InitPlan(
+    plan = plumbing.plan_init(plumbing.parse_launch_env({}), CpuDeviceHandle())
+    assert plan == plumbing.InitPlan(
         backend="gloo",
         rank=0,
         world_size=1,
@@ -129,9 +129,9 @@ def test_plan_for_a_single_cpu_process() -> None:
 
 def test_plan_for_torchrun_on_gpus() -> None:
     """Under torchrun with GPUs: nccl, the LOCAL_RANK-th GPU, env:// and the timeout given."""
-    launch = sc.parse_launch_env(TORCHRUN)
-    plan = sc.plan_init(launch, _FakeAccelerator(), timeout=30)  # type: ignore[arg-type]
-    assert plan == sc.InitPlan(
+    launch = plumbing.parse_launch_env(TORCHRUN)
+    plan = plumbing.plan_init(launch, _FakeAccelerator(), timeout=30)  # type: ignore[arg-type]
+    assert plan == plumbing.InitPlan(
         backend="nccl",
         rank=3,
         world_size=8,
@@ -140,7 +140,7 @@ def test_plan_for_torchrun_on_gpus() -> None:
         timeout=timedelta(seconds=30),
         init_method="env://",
     )
-    forced = sc.plan_init(launch, _FakeAccelerator(), backend="gloo")  # type: ignore[arg-type]
+    forced = plumbing.plan_init(launch, _FakeAccelerator(), backend="gloo")  # type: ignore[arg-type]
     assert forced.backend == "gloo"
 
 
@@ -168,7 +168,7 @@ def test_impossible_plans_are_clear_errors(
 ) -> None:
     """Too few devices, no rendezvous address or a non-positive timeout each say what to fix."""
     with pytest.raises(sc.DistributedInitError, match=re.escape(message)):
-        sc.plan_init(sc.parse_launch_env(environ), handle, timeout=timeout)
+        plumbing.plan_init(plumbing.parse_launch_env(environ), handle, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------
@@ -188,9 +188,11 @@ def fake_dist(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]
         calls.append((backend, kwargs))
 
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
-    monkeypatch.setattr(_init, "_STATE", None)
-    monkeypatch.setattr(_init, "_STATE_GROUP", None)
-    monkeypatch.setattr(_init, "get_device_handle", lambda device_type=None: CpuDeviceHandle())
+    monkeypatch.setattr(_process_group, "_STATE", None)
+    monkeypatch.setattr(_process_group, "_STATE_GROUP", None)
+    monkeypatch.setattr(
+        _process_group, "get_device_handle", lambda device_type=None: CpuDeviceHandle()
+    )
     return calls
 
 
@@ -261,7 +263,7 @@ def test_init_under_torchrun_with_gpus_uses_nccl_and_the_local_gpu(
 ) -> None:
     """Under torchrun with a usable accelerator: nccl over env://, current device = LOCAL_RANK."""
     handle = _FakeAccelerator()
-    monkeypatch.setattr(_init, "get_device_handle", lambda device_type=None: handle)
+    monkeypatch.setattr(_process_group, "get_device_handle", lambda device_type=None: handle)
     for key, value in TORCHRUN.items():
         monkeypatch.setenv(key, value)
     state = sc.init_distributed()
@@ -333,8 +335,8 @@ def _rank_init_world_of_one(seconds: float) -> dict[str, Any]:
     dist.destroy_process_group()
     for key in LAUNCH_VARS:
         os.environ.pop(key, None)  # the worker restores its environment after the run
-    _init._STATE = None
-    _init._STATE_GROUP = None
+    _process_group._STATE = None
+    _process_group._STATE_GROUP = None
     state = sc.init_distributed(timeout=seconds)
     again = sc.init_distributed()
     world = dist.group.WORLD
@@ -349,8 +351,8 @@ def _rank_init_world_of_one(seconds: float) -> dict[str, Any]:
         "all_reduce": tensor.tolist(),
     }
     dist.destroy_process_group()
-    _init._STATE = None
-    _init._STATE_GROUP = None
+    _process_group._STATE = None
+    _process_group._STATE_GROUP = None
     return result
 
 

@@ -41,14 +41,13 @@ the collective, for a range nobody reads.
 ``reduce_scatter`` divides and reduces the gradient it is given in place when
 it is already in the reduce dtype and contiguous, so its contents are
 unspecified afterwards (the runtime frees it anyway). That saves a full-size
-copy per unit per step. ``reduce_scatter_many`` copies its gradients into a
-staging buffer and leaves them alone, but callers should not rely on that.
+copy per unit per step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
@@ -69,12 +68,10 @@ __all__ = [
     "ReduceAlgorithm",
     "ReduceOpName",
     "all_gather",
-    "all_gather_many",
     "all_reduce",
     "broadcast",
     "default_divide_factors",
     "reduce_scatter",
-    "reduce_scatter_many",
     "resolve_divide_factors",
 ]
 
@@ -336,85 +333,6 @@ def all_gather(
     return _issued(entry, work, finish, async_op)
 
 
-def all_gather_many(
-    outputs: Sequence[torch.Tensor],
-    shards: Sequence[torch.Tensor],
-    group: ProcessGroup | None = None,
-    *,
-    async_op: bool = False,
-    label: str | None = None,
-    phase: str | None = None,
-) -> CommHandle:
-    """Gather several tensors of one unit in one all-gather.
-
-    ``shards[i]`` is this rank's shard of tensor ``i`` (shards may differ in
-    size from tensor to tensor, but each has the same size on every rank);
-    ``outputs[i]`` is contiguous with ``group size * shards[i].numel()``
-    elements and receives the rank-ordered concatenation of tensor ``i``'s
-    shards. The shards are copied into one cached flat buffer, gathered in one
-    call, and copied out.
-    """
-    if len(outputs) != len(shards):
-        raise CommError(
-            f"all_gather_many: {len(outputs)} outputs for {len(shards)} shards; "
-            "pass one output per shard"
-        )
-    if len(shards) == 1:
-        return all_gather(outputs[0], shards[0], group, async_op=async_op, label=label, phase=phase)
-    size, _ = _size_rank(group, "all_gather_many")
-    sizes = [shard.numel() for shard in shards]
-    for index, (output, numel) in enumerate(zip(outputs, sizes, strict=True)):
-        if output.numel() != numel * size:
-            raise CommError(
-                f"all_gather_many: outputs[{index}] has {output.numel()} elements but the "
-                f"shards[{index}] of {size} ranks make {numel * size}; size each output as "
-                "world size * its shard's elements"
-            )
-        _check_contiguous(output, "all_gather_many", f"outputs[{index}]")
-    if size == 1:
-        for output, shard in zip(outputs, shards, strict=True):
-            output.view(shard.shape).copy_(shard)
-        return _DONE
-    if not shards:
-        return _DONE
-    dtype, device = outputs[0].dtype, outputs[0].device
-    total = sum(sizes)
-    cache = buffer_cache()
-    in_base = cache.acquire(total, dtype, device)
-    out_base = cache.acquire(total * size, dtype, device)
-    flat_in = in_base[:total]
-    flat_out = out_base[: total * size]
-    torch.cat([shard.reshape(-1) for shard in shards], out=flat_in)
-    nbytes = flat_out.numel() * flat_out.element_size()
-    with _profiler_range("all_gather", label):
-        record_collective("all_gather", nbytes, label, size)
-        entry = flight_recorder().issue(
-            "all_gather", label, phase, group, flat_out.numel(), nbytes, dtype
-        )
-        try:
-            work = _gather(flat_out, flat_in, size, group, async_op)
-        except RuntimeError as exc:
-            raise _backend_failed(entry, exc) from exc
-
-    def finish() -> None:
-        rows = flat_out.view(size, total)
-        if all(output.dtype == dtype for output in outputs):
-            torch.split_with_sizes_copy(
-                rows,
-                sizes,
-                dim=1,
-                out=[output.view(size, n) for output, n in zip(outputs, sizes, strict=True)],
-            )
-        else:
-            pieces = torch.split_with_sizes(rows, sizes, dim=1)
-            for output, n, piece in zip(outputs, sizes, pieces, strict=True):
-                output.view(size, n).copy_(piece)
-        cache.release(in_base)
-        cache.release(out_base)
-
-    return _issued(entry, work, finish, async_op)
-
-
 # ---------------------------------------------------------------------------
 # Reduce-scatter
 # ---------------------------------------------------------------------------
@@ -451,16 +369,6 @@ def _reduce_locally(
     if output.dtype != reduce_dtype:
         output.view(grad.shape).copy_(work)
         buffer_cache().release(base)
-
-
-def _copy_out_pieces(
-    source: torch.Tensor, outputs: Sequence[torch.Tensor], sizes: list[int]
-) -> None:
-    if all(output.dtype == source.dtype for output in outputs):
-        torch.split_with_sizes_copy(source, sizes, out=[output.view(-1) for output in outputs])
-    else:
-        for output, piece in zip(outputs, torch.split_with_sizes(source, sizes), strict=True):
-            output.view(-1).copy_(piece)
 
 
 def _issue_reduce_scatter(
@@ -587,107 +495,6 @@ def reduce_scatter(
             cache.release(out_base)
 
     return _issued(entry, work, finish, async_op)
-
-
-def reduce_scatter_many(
-    outputs: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    group: ProcessGroup | None = None,
-    *,
-    op: ReduceOpName = "sum",
-    reduce_dtype: torch.dtype | None = None,
-    pre_divide: float | None = None,
-    post_divide: float | None = None,
-    algorithm: ReduceAlgorithm = "auto",
-    async_op: bool = False,
-    label: str | None = None,
-    phase: str | None = None,
-) -> CommHandle:
-    """Reduce-scatter several gradients of one unit in one collective.
-
-    ``grads[i]`` has ``group size * outputs[i].numel()`` elements and is
-    split across ranks like :func:`reduce_scatter` splits one gradient;
-    ``outputs[i]`` receives this rank's slice of the reduced ``grads[i]``.
-    The gradients are copied (and cast to ``reduce_dtype``) rank-major into one
-    cached flat buffer, reduced in one call, and copied out. Arguments as in
-    :func:`reduce_scatter`; a single gradient goes straight to it.
-    """
-    if len(outputs) != len(grads):
-        raise CommError(
-            f"reduce_scatter_many: {len(outputs)} outputs for {len(grads)} gradients; "
-            "pass one output per gradient"
-        )
-    if len(grads) == 1:
-        return reduce_scatter(
-            outputs[0],
-            grads[0],
-            group,
-            op=op,
-            reduce_dtype=reduce_dtype,
-            pre_divide=pre_divide,
-            post_divide=post_divide,
-            algorithm=algorithm,
-            async_op=async_op,
-            label=label,
-            phase=phase,
-        )
-    size, rank = _size_rank(group, "reduce_scatter_many")
-    sizes = [output.numel() for output in outputs]
-    for index, (grad, n) in enumerate(zip(grads, sizes, strict=True)):
-        if grad.numel() != n * size:
-            raise CommError(
-                f"reduce_scatter_many: grads[{index}] has {grad.numel()} elements but "
-                f"outputs[{index}] of {n} on {size} ranks needs {n * size}; pad each "
-                "gradient to a multiple of the world size"
-            )
-        _check_contiguous(outputs[index], "reduce_scatter_many", f"outputs[{index}]")
-    pre, post = resolve_divide_factors(op, size, pre_divide, post_divide)
-    if not grads:
-        return _DONE
-    rdt = grads[0].dtype if reduce_dtype is None else reduce_dtype
-    if size == 1:
-        for output, grad in zip(outputs, grads, strict=True):
-            _reduce_locally(output, grad, rdt, pre, post)
-        return _DONE
-    use_all_reduce = _use_all_reduce(algorithm, grads[0].device)
-    device = grads[0].device
-    total = sum(sizes)
-    cache = buffer_cache()
-    in_base = cache.acquire(total * size, rdt, device)
-    source = in_base[: total * size]
-    torch.cat(
-        [grad.reshape(size, n) for grad, n in zip(grads, sizes, strict=True)],
-        dim=1,
-        out=source.view(size, total),
-    )
-    if pre != 1.0:
-        source.div_(pre)
-    work, destination, out_base, entry = _issue_reduce_scatter(
-        source,
-        rank,
-        size,
-        group,
-        use_all_reduce=use_all_reduce,
-        into=None,
-        async_op=async_op,
-        label=label,
-        phase=phase,
-    )
-
-    def finish() -> None:
-        if post != 1.0:
-            destination.div_(post)
-        _copy_out_pieces(destination, outputs, sizes)
-        cache.release(in_base)
-        if out_base is not None:
-            cache.release(out_base)
-
-    return _issued(entry, work, finish, async_op)
-
-
-# ---------------------------------------------------------------------------
-# All-reduce and broadcast
-# ---------------------------------------------------------------------------
 
 
 def all_reduce(

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shard_comms._device import get_device_handle
 from shard_core.errors import MeshError
 
-__all__ = ["DEFAULT_AXIS_NAMES_1D", "DEFAULT_AXIS_NAMES_2D", "build_mesh", "mesh_groups"]
+__all__ = ["DEFAULT_AXIS_NAMES_1D", "DEFAULT_AXIS_NAMES_2D", "build_mesh"]
 
 DEFAULT_AXIS_NAMES_1D: tuple[str] = ("shard",)
 DEFAULT_AXIS_NAMES_2D: tuple[str, str] = ("replicate", "shard")
@@ -181,19 +181,3 @@ def build_mesh(
     elif isinstance(shape, int):
         shape = (shape,)
     return _from_shape(tuple(shape), _axis_names(axis_names, len(shape)), kind)
-
-
-def mesh_groups(mesh: DeviceMesh) -> tuple[ProcessGroup, ProcessGroup | None]:
-    """``(shard_group, replicate_group)`` of a 1-D or 2-D mesh, by position.
-
-    The last axis shards and the first (of two) replicates, whatever their
-    names, as in PyTorch; ``replicate_group`` is ``None`` for a 1-D mesh.
-    """
-    if mesh.ndim == 1:
-        return mesh.get_group(0), None
-    if mesh.ndim == 2:
-        return mesh.get_group(1), mesh.get_group(0)
-    raise MeshError(
-        f"shard runs on 1-D (shard) or 2-D (replicate, shard) meshes, got a {mesh.ndim}-D mesh "
-        f"with axes {mesh.mesh_dim_names}; slice it to the data-parallel axes first"
-    )
