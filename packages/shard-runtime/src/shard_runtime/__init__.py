@@ -55,6 +55,7 @@ from shard_runtime._wrapper_options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from shard_runtime.integrations import use_shard_for_torch_fsdp  # imports torch FSDP on call only
 
 __all__ = [
     "BackwardPrefetch",
@@ -101,4 +102,5 @@ __all__ = [
     "share_comm_ctx",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
+    "use_shard_for_torch_fsdp",
 ]
