@@ -314,16 +314,11 @@ def test_layout_names_are_exported_from_shard_core() -> None:
     """The flat-layout and dim-0 names are part of shard_core's public, sorted __all__."""
     names = {
         "FlatLayout",
-        "PackedDim0Layout",
         "ParamShardInfo",
         "ParamSpec",
         "ShardMetadata",
-        "chunk_dim0",
         "dim0_chunk_range",
-        "dim0_chunk_sizes",
-        "pad_dim0",
         "padded_dim0_size",
-        "unpad_dim0",
     }
     assert names <= set(shard_core.__all__)
     assert all(getattr(shard_core, name) is not None for name in names)

@@ -8,15 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from shard_core import (
-    FlatLayout,
-    PackedDim0Layout,
-    ParamSpec,
-    chunk_dim0,
-    pad_dim0,
-    padded_dim0_size,
-    unpad_dim0,
-)
+from shard_core import FlatLayout, ParamSpec, dim0_chunk_range, padded_dim0_size
 from shard_core.errors import LayoutError, ShardError
 
 
@@ -38,15 +30,13 @@ def test_layout_error_is_a_value_error() -> None:
 
 
 def test_empty_unit_is_rejected() -> None:
-    """Both layouts refuse a unit with no parameters."""
+    """The flat layout refuses a unit with no parameters."""
     message = (
         "cannot lay out a unit with no parameters: pass at least one parameter, "
         "or do not make a unit of a module that has no parameters"
     )
     with pytest.raises(LayoutError, match=_exact(message)):
         FlatLayout.from_tensors({})
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_tensors([], world_size=2)
 
 
 def test_empty_specs_are_rejected() -> None:
@@ -83,8 +73,6 @@ def test_mixed_dtypes_name_both_parameters() -> None:
     )
     with pytest.raises(LayoutError, match=_exact(message)):
         FlatLayout.from_tensors(named)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_tensors(named, world_size=2)
 
 
 def test_mixed_devices_name_both_parameters() -> None:
@@ -97,20 +85,6 @@ def test_mixed_devices_name_both_parameters() -> None:
     )
     with pytest.raises(LayoutError, match=_exact(message)):
         FlatLayout.from_tensors(named)
-
-
-def test_zero_dim_parameter_cannot_be_dim0_sharded() -> None:
-    """A 0-d parameter is refused by dim-0 sharding, with the reshape that fixes it."""
-    message = (
-        "parameter 'scale' is 0-d (shape ()), and dim-0 sharding needs at least one "
-        "dimension: make it 1-D, e.g. nn.Parameter(t.reshape(1)) or param.unsqueeze(0)"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_tensors([("w", torch.zeros(2)), ("scale", torch.tensor(1.0))], 2)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_specs([("scale", ())], world_size=2)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        chunk_dim0(torch.tensor(1.0), 0, 2, name="scale")
 
 
 def test_zero_dim_parameter_is_fine_in_a_flat_unit() -> None:
@@ -130,8 +104,6 @@ def test_non_contiguous_parameter_is_named() -> None:
     )
     with pytest.raises(LayoutError, match=_exact(message)):
         FlatLayout.from_tensors(named)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_tensors(named, world_size=2)
 
 
 def test_sparse_parameter_is_named() -> None:
@@ -216,8 +188,6 @@ def test_world_size_below_one_is_rejected(world_size: int) -> None:
         layout.shard_metadata(0, world_size)
     with pytest.raises(LayoutError, match=_exact(message)):
         padded_dim0_size(4, world_size)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_specs([("w", (4,))], world_size)
 
 
 @pytest.mark.parametrize("rank", [-1, 4])
@@ -230,9 +200,7 @@ def test_rank_out_of_range_is_rejected(rank: int) -> None:
     with pytest.raises(LayoutError, match=_exact(message)):
         layout.shard(torch.zeros(13), rank, 4)
     with pytest.raises(LayoutError, match=_exact(message)):
-        chunk_dim0(torch.zeros(4), rank, 4)
-    with pytest.raises(LayoutError, match=_exact(message)):
-        PackedDim0Layout.from_specs([("w", (4,))], 4).pack([torch.zeros(1)], rank)
+        dim0_chunk_range(4, rank, 4)
 
 
 def test_bad_range_is_rejected() -> None:
@@ -296,77 +264,8 @@ def test_shard_views_of_wrong_size_is_rejected() -> None:
         _aligned().shard_views(torch.zeros(6), 1, 3)
 
 
-def test_pad_dim0_errors() -> None:
-    """pad_dim0 refuses 0-d shards, shrinking, and a mis-shaped out."""
-    message = "pad_dim0 needs a shard with at least one dimension, got a 0-d tensor"
-    with pytest.raises(LayoutError, match=_exact(message)):
-        pad_dim0(torch.tensor(1.0), 2)
-    message = (
-        "cannot pad a shard of 3 rows to 2 rows: padded_size must be at least the shard's "
-        "dim-0 size (use padded_dim0_size(dim0, world_size))"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        pad_dim0(torch.zeros(3, 2), 2)
-    message = "pad_dim0 needs out to be contiguous with shape (4, 2), got shape (4, 3)"
-    with pytest.raises(LayoutError, match=_exact(message)):
-        pad_dim0(torch.zeros(3, 2), 4, torch.zeros(4, 3))
-
-
-def test_unpad_dim0_wrong_rows_is_rejected() -> None:
-    """unpad_dim0 checks the gathered buffer has world_size * padded rows."""
-    message = (
-        "unpad_dim0 needs 8 gathered rows (world_size 4 x padded_dim0_size 2) for dim0=5, "
-        "got shape (5, 3)"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        unpad_dim0(torch.zeros(5, 3), 5, 4)
-
-
 def test_dim0_negative_is_rejected() -> None:
     """A negative dim-0 size is refused."""
     message = "dim0 must be an integer >= 0 (a number of rows), got -1"
     with pytest.raises(LayoutError, match=_exact(message)):
         padded_dim0_size(-1, 2)
-
-
-def test_pack_errors_name_the_parameter() -> None:
-    """pack refuses a wrong count, a wrong shard shape (naming the parameter) and a bad out."""
-    layout = PackedDim0Layout.from_specs([("a", (5, 2)), ("b", (3,))], world_size=4)
-    with pytest.raises(LayoutError, match=r"^pack got 1 shards for a layout of 2 parameters"):
-        layout.pack([torch.zeros(2, 2)], 0)
-    message = (
-        "pack got a shard of shape (2, 2) for parameter 'a' on rank 2 of 4, expected (1, 2) "
-        "(its dim-0 chunk, unpadded)"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        layout.pack([torch.zeros(2, 2), torch.zeros(1)], 2)
-    message = "pack needs out to be a contiguous 1-D tensor of per_rank_numel=5 elements, got "
-    with pytest.raises(LayoutError, match="^" + re.escape(message) + r"shape \(4,\)$"):
-        layout.pack([torch.zeros(2, 2), torch.zeros(1)], 0, torch.zeros(4))
-
-
-def test_packed_shard_wrong_shape_names_the_parameter() -> None:
-    """PackedDim0Layout.shard refuses a full tensor of the wrong shape."""
-    layout = PackedDim0Layout.from_specs([("a", (5, 2))], world_size=4)
-    message = "shard got a tensor of shape (4, 2) for parameter 'a', whose shape is (5, 2)"
-    with pytest.raises(LayoutError, match=_exact(message)):
-        layout.shard([torch.zeros(4, 2)], 0)
-
-
-def test_unpack_errors_name_the_parameter() -> None:
-    """unpack refuses a gathered buffer of the wrong size and an out buffer of the wrong size."""
-    layout = PackedDim0Layout.from_specs([("a", (5, 2)), ("b", (3,))], world_size=4)
-    message = (
-        "unpack needs a contiguous all-gather output of gathered_numel=20 elements "
-        "(world_size 4 x per_rank_numel 5), got shape (19,)"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        layout.unpack(torch.zeros(19))
-    message = (
-        "unpack needs the out buffer of parameter 'b' to be contiguous with 4 elements "
-        "(world_size 4 x padded shard 1), got shape (3,)"
-    )
-    with pytest.raises(LayoutError, match=_exact(message)):
-        layout.unpack(torch.zeros(20), [torch.zeros(16), torch.zeros(3)])
-    with pytest.raises(LayoutError, match=r"^unpack got 1 out buffers for a layout of 2"):
-        layout.unpack(torch.zeros(20), [torch.zeros(16)])

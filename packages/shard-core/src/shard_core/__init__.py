@@ -1,16 +1,7 @@
 """Flat layout, shard metadata, sharding math and the plugin registry of shard."""
 
 from shard_core._cpu import CpuDeviceHandle
-from shard_core._dim0 import (
-    PackedDim0Layout,
-    chunk_dim0,
-    contiguous_stride,
-    dim0_chunk_range,
-    dim0_chunk_sizes,
-    pad_dim0,
-    padded_dim0_size,
-    unpad_dim0,
-)
+from shard_core._dim0 import contiguous_stride, dim0_chunk_range, padded_dim0_size
 from shard_core._layout import FlatLayout, ParamShardInfo, ParamSpec, ShardMetadata
 from shard_core._policies import CustomPolicy, LambdaWrapPolicy, ModuleWrapPolicy
 from shard_core._version import __version__
@@ -31,7 +22,6 @@ __all__ = [
     "FlatLayout",
     "LambdaWrapPolicy",
     "ModuleWrapPolicy",
-    "PackedDim0Layout",
     "ParamShardInfo",
     "ParamSpec",
     "PluginWarning",
@@ -40,17 +30,13 @@ __all__ = [
     "WrapPlanError",
     "WrapTarget",
     "__version__",
-    "chunk_dim0",
     "contiguous_stride",
     "dim0_chunk_range",
-    "dim0_chunk_sizes",
     "get_plugin_manager",
     "get_registry",
     "hookimpl",
     "make_plugin_manager",
-    "pad_dim0",
     "padded_dim0_size",
     "plan_wraps",
     "reset_plugin_manager",
-    "unpad_dim0",
 ]

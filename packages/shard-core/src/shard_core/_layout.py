@@ -31,7 +31,7 @@ from shard_core._validate import (
 )
 from shard_core.errors import LayoutError
 
-__all__ = ["FlatLayout", "ParamShardInfo", "ParamSpec", "ShardMetadata"]
+__all__ = ["FlatLayout", "ParamShardInfo", "ParamSpec", "ShardMetadata", "ceil_div"]
 
 _T = TypeVar("_T")
 
@@ -61,7 +61,8 @@ _T = TypeVar("_T")
 # movement only: its result never requires grad.
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` in integers (exact for any size; ``math.ceil(a / b)`` rounds above 2**53)."""
     return -(-a // b)
 
 
@@ -216,7 +217,7 @@ class FlatLayout:
         sizes: list[int] = []
         end = 0
         for spec in params:
-            start = _ceil_div(end, self.alignment) * self.alignment
+            start = ceil_div(end, self.alignment) * self.alignment
             if offsets:
                 sizes.append(start - end)
             offsets.append(start)
@@ -280,7 +281,7 @@ class FlatLayout:
     def shard_numel(self, world_size: int) -> int:
         """Elements each rank holds: ``ceil(total_numel / world_size)``."""
         check_world_size(world_size)
-        return _ceil_div(self.total_numel, world_size)
+        return ceil_div(self.total_numel, world_size)
 
     def padded_numel(self, world_size: int) -> int:
         """Flat-buffer size padded at the end to a multiple of ``world_size``."""

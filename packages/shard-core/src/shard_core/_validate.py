@@ -17,7 +17,6 @@ from shard_core.errors import LayoutError
 
 __all__ = [
     "check_alignment",
-    "check_dim0_shape",
     "check_floating_dtype",
     "check_not_empty",
     "check_rank",
@@ -70,15 +69,6 @@ def check_floating_dtype(name: str, dtype: torch.dtype) -> None:
             f"parameter {name!r} has dtype {dtype}, but shard lays out floating-point "
             "parameters only: convert it to a floating dtype, or register it as a buffer "
             "if it is not trained"
-        )
-
-
-def check_dim0_shape(name: str, shape: Sequence[int]) -> None:
-    """Reject a 0-d parameter, which has no dim 0 to shard."""
-    if len(shape) == 0:
-        raise LayoutError(
-            f"parameter {name!r} is 0-d (shape ()), and dim-0 sharding needs at least one "
-            "dimension: make it 1-D, e.g. nn.Parameter(t.reshape(1)) or param.unsqueeze(0)"
         )
 
 
