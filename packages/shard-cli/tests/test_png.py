@@ -1,13 +1,24 @@
-"""The PNG writer: valid files (signature, IHDR, CRCs, pixel rows), drawing and the chart."""
+"""The PNG writer: valid files (signature, IHDR, CRCs, pixel rows), drawing and the font."""
 
 from __future__ import annotations
 
+import string
 import struct
 import zlib
 
 import pytest
 
-from shard_cli._png import BLACK, WHITE, Canvas, encode_png, training_chart
+from shard_cli._png import (
+    ADVANCE,
+    BLACK,
+    FONT,
+    GLYPH_HEIGHT,
+    GLYPH_WIDTH,
+    WHITE,
+    Canvas,
+    encode_png,
+    missing_glyphs,
+)
 
 
 def read_png(data: bytes) -> tuple[int, int, bytes]:
@@ -63,12 +74,69 @@ def test_canvas_draws_lines_rectangles_and_text() -> None:
     assert [canvas.get(10 + c, 16) for c in range(5)] == [WHITE, BLACK, BLACK, BLACK, WHITE]
 
 
-def test_training_chart_is_a_valid_png_with_drawing_on_it() -> None:
-    """The chart decodes at the size asked, and its loss curve and bars leave colored pixels."""
-    curve = [(step, 4.0 / step) for step in range(1, 21)]
-    ranks = [("rank 0", 1000, 1000, 2000, 9000), ("rank 1", 1000, 1000, 2000, 8000)]
-    width, height, pixels = read_png(training_chart(curve, ranks, title="t", width=300, height=200))
-    assert (width, height) == (300, 200)
-    colors = {pixels[i : i + 3] for i in range(0, len(pixels), 3)}
-    assert bytes((31, 119, 180)) in colors  # the curve and the params bars
-    assert bytes((214, 39, 40)) in colors  # the peak bars
+def read_text(canvas: Canvas, x: int, y: int, length: int) -> str:
+    """The ``length`` characters drawn at (x, y), read back by matching each cell to the font."""
+    by_pixels = {pixels: char for char, pixels in FONT.items()}
+    chars = []
+    for index in range(length):
+        cell = tuple(
+            "".join(
+                "#" if canvas.get(x + index * ADVANCE + col, y + row) != WHITE else "."
+                for col in range(GLYPH_WIDTH)
+            )
+            for row in range(GLYPH_HEIGHT)
+        )
+        chars.append(by_pixels.get(cell, "\ufffd"))
+    return "".join(chars)
+
+
+def test_font_glyphs_are_well_formed_and_distinct() -> None:
+    """Every glyph is 9 rows of 5 pixels, and no two characters share a bitmap (none misreads)."""
+    for char, rows in FONT.items():
+        assert len(rows) == GLYPH_HEIGHT, char
+        assert all(len(row) == GLYPH_WIDTH and set(row) <= {".", "#"} for row in rows), char
+    bitmaps = list(FONT.values())
+    assert len(set(bitmaps)) == len(bitmaps)
+
+
+def test_font_covers_printable_ascii() -> None:
+    """Every printable ASCII character has a glyph: labels, model names and paths print."""
+    assert missing_glyphs(string.ascii_letters + string.digits + string.punctuation + " ") == set()
+    assert missing_glyphs("\u00b5\u00d7") == {"\u00b5", "\u00d7"}  # micro, times
+
+
+def test_capitals_differ_from_lower_case() -> None:
+    """Upper case is drawn as upper case: "MiB" is not "mib"."""
+    for upper, lower in zip(string.ascii_uppercase, string.ascii_lowercase, strict=True):
+        assert FONT[upper] != FONT[lower], upper
+
+
+def test_descenders_go_below_the_baseline() -> None:
+    """g, j, p, q, y, the tails of "," ";", "_" and "|" use rows 7-8; nothing else does."""
+    below = {char for char, rows in FONT.items() if "#" in rows[7] + rows[8]}
+    assert below == {"g", "j", "p", "q", "y", ",", ";", "_", "|"}
+
+
+def test_text_round_trips_and_advances_six_pixels_a_character() -> None:
+    """Labels read back as written (upper case and descenders intact); each glyph takes 6 pixels."""
+    canvas = Canvas(200, 12)
+    label = "grads (MiB), AdamW: 1.5k"
+    end = canvas.text(3, 1, label)
+    assert end == 3 + len(label) * ADVANCE == 3 + Canvas.text_width(label)
+    assert read_text(canvas, 3, 1, len(label)) == label
+
+
+def test_unknown_characters_print_as_a_question_mark() -> None:
+    """A character outside the font is drawn as "?", never skipped (widths stay predictable)."""
+    canvas = Canvas(20, 12)
+    assert canvas.text(0, 0, "µ") == ADVANCE
+    assert read_text(canvas, 0, 0, 1) == "?"
+
+
+def test_scaled_text_is_each_pixel_a_square() -> None:
+    """At scale 2 a glyph pixel is a 2x2 block and the advance doubles."""
+    canvas = Canvas(30, 20)
+    assert canvas.text(0, 0, "1", scale=2) == 2 * ADVANCE
+    # "1" row 0 is "..#..": columns 4 and 5 at scale 2.
+    assert [canvas.get(c, 0) == BLACK for c in range(10)] == [c in (4, 5) for c in range(10)]
+    assert canvas.get(4, 1) == BLACK

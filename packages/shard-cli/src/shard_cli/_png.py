@@ -1,19 +1,18 @@
-"""PNG files from the standard library: an encoder, a rasterizer, a 5x7 font, two charts.
+"""PNG files from the standard library: an encoder, a rasterizer and a bitmap font.
 
-Why not matplotlib: ``shard train`` must run wherever shard's packages run,
-and a loss curve and a few bars need lines, rectangles and digits only. The
-encoder writes 8-bit RGB, one IDAT chunk compressed with ``zlib``, every row
-with filter type 0; any viewer reads it.
+Why: ``shard train`` writes ``training.png`` wherever shard's packages run,
+matplotlib installed or not (see ``_plot.py``, which draws with this module
+when matplotlib is absent). A chart needs lines, rectangles and legible
+labels only. The encoder writes 8-bit RGB, one IDAT chunk compressed with
+``zlib``, every row with filter type 0; any viewer reads it.
 """
 
 from __future__ import annotations
 
-import itertools
 import struct
 import zlib
-from collections.abc import Sequence
 
-__all__ = ["Canvas", "encode_png", "training_chart"]
+__all__ = ["FONT", "Canvas", "encode_png", "missing_glyphs"]
 
 Color = tuple[int, int, int]
 
@@ -25,60 +24,122 @@ GREY: Color = (200, 200, 200)
 DARK: Color = (90, 90, 90)
 PALETTE: tuple[Color, ...] = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40))
 
-# Seven rows of five pixels per glyph, each row one hex byte (bit 4 is the left pixel).
-# Upper-case letters are drawn as lower-case ones; unknown characters as "?".
-_FONT: dict[str, str] = {
-    "0": "0e11131519110e",
-    "1": "040c040404040e",
-    "2": "0e11010204081f",
-    "3": "1f02040201110e",
-    "4": "02060a121f0202",
-    "5": "1f101e0101110e",
-    "6": "0608101e11110e",
-    "7": "1f010204080808",
-    "8": "0e11110e11110e",
-    "9": "0e11110f01020c",
-    "a": "00000e010f110f",
-    "b": "1010161911111e",
-    "c": "00000e1010110e",
-    "d": "01010d1311110f",
-    "e": "00000e111f100e",
-    "f": "0609081c080808",
-    "g": "000f11110f010e",
-    "h": "10101619111111",
-    "i": "04000c0404040e",
-    "j": "0200060202120c",
-    "k": "10101214181412",
-    "l": "0c04040404040e",
-    "m": "00001a15151111",
-    "n": "00001619111111",
-    "o": "00000e1111110e",
-    "p": "00001e111e1010",
-    "q": "00000d130f0101",
-    "r": "00001619101010",
-    "s": "00000e100e011e",
-    "t": "08081c08080906",
-    "u": "0000111111130d",
-    "v": "00001111110a04",
-    "w": "0000111115150a",
-    "x": "0000110a040a11",
-    "y": "000011110f010e",
-    "z": "00001f0204081f",
-    ".": "00000000000c0c",
-    ",": "000000000c0408",
-    "-": "0000001f000000",
-    "+": "0004041f040400",
-    ":": "000c0c000c0c00",
-    "/": "00010204081000",
-    "(": "02040808080402",
-    ")": "08040202020408",
-    "%": "18190204081303",
-    "_": "0000000000001f",
-    "=": "00001f001f0000",
-    " ": "00000000000000",
-    "?": "0e110102040004",
-}
-_GLYPH_W, _GLYPH_H = 5, 7
+# [Note: the bitmap font]
+# Each glyph is 5 pixels wide and 9 tall: rows 0-6 hold capitals, digits and
+# ascenders (row 6 is the baseline row), lower case sits on rows 2-6, and rows
+# 7-8 hold the descenders of g, j, p, q, y and the tails of "," and ";". A
+# glyph advances 6 pixels. Capitals and lower case are distinct, so "MiB" and
+# "grads" print as written. The art below is the font itself: each block names
+# its characters, then gives the 9 rows of each, "#" for ink, one space apart.
+# A character the font lacks prints as "?".
+GLYPH_WIDTH = 5
+GLYPH_HEIGHT = 9
+ADVANCE = GLYPH_WIDTH + 1
+_FONT_ART: tuple[tuple[str, ...], ...] = (
+    (
+        "ABCDEFGHIJKLMN",
+        ".###. ####. .###. ####. ##### ##### .###. #...# .###. ..### #...# #.... #...# #...#",
+        "#...# #...# #...# #...# #.... #.... #...# #...# ..#.. ...#. #..#. #.... ##.## #...#",
+        "#...# #...# #.... #...# #.... #.... #.... #...# ..#.. ...#. #.#.. #.... #.#.# ##..#",
+        "##### ####. #.... #...# ####. ####. #.### ##### ..#.. ...#. ##... #.... #.#.# #.#.#",
+        "#...# #...# #.... #...# #.... #.... #...# #...# ..#.. ...#. #.#.. #.... #...# #..##",
+        "#...# #...# #...# #...# #.... #.... #...# #...# ..#.. #..#. #..#. #.... #...# #...#",
+        "#...# ####. .###. ####. ##### #.... .#### #...# .###. .##.. #...# ##### #...# #...#",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+    ),
+    (
+        "OPQRSTUVWXYZab",
+        ".###. ####. .###. ####. .#### ##### #...# #...# #...# #...# #...# ##### ..... #....",
+        "#...# #...# #...# #...# #.... ..#.. #...# #...# #...# #...# #...# ....# ..... #....",
+        "#...# #...# #...# #...# #.... ..#.. #...# #...# #...# .#.#. .#.#. ...#. .###. #.##.",
+        "#...# ####. #...# ####. .###. ..#.. #...# #...# #.#.# ..#.. ..#.. ..#.. ....# ##..#",
+        "#...# #.... #.#.# #.#.. ....# ..#.. #...# #...# #.#.# .#.#. ..#.. .#... .#### #...#",
+        "#...# #.... #..#. #..#. ....# ..#.. #...# .#.#. #.#.# #...# ..#.. #.... #...# #...#",
+        ".###. #.... .##.# #...# ####. ..#.. .###. ..#.. .#.#. #...# ..#.. ##### .#### ####.",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+    ),
+    (
+        "cdefghijklmnop",
+        "..... ....# ..... ..##. ..... #.... ..#.. ...#. #.... .##.. ..... ..... ..... .....",
+        "..... ....# ..... .#..# ..... #.... ..... ..... #.... ..#.. ..... ..... ..... .....",
+        ".###. .##.# .###. .#... .#### #.##. .##.. ..##. #..#. ..#.. ##.#. #.##. .###. ####.",
+        "#.... #..## #...# ###.. #...# ##..# ..#.. ...#. #.#.. ..#.. #.#.# ##..# #...# #...#",
+        "#.... #...# ##### .#... #...# #...# ..#.. ...#. ##... ..#.. #.#.# #...# #...# #...#",
+        "#...# #...# #.... .#... #...# #...# ..#.. ...#. #.#.. ..#.. #.#.# #...# #...# #...#",
+        ".###. .#### .###. .#... .#### #...# .###. ...#. #..#. .###. #...# #...# .###. ####.",
+        "..... ..... ..... ..... ....# ..... ..... #..#. ..... ..... ..... ..... ..... #....",
+        "..... ..... ..... ..... .###. ..... ..... .##.. ..... ..... ..... ..... ..... #....",
+    ),
+    (
+        "qrstuvwxyz0123",
+        "..... ..... ..... .#... ..... ..... ..... ..... ..... ..... .###. ..#.. .###. #####",
+        "..... ..... ..... .#... ..... ..... ..... ..... ..... ..... #...# .##.. #...# ...#.",
+        ".#### #.##. .#### ###.. #...# #...# #...# #...# #...# ##### #..## ..#.. ....# ..#..",
+        "#...# ##..# #.... .#... #...# #...# #...# .#.#. #...# ...#. #.#.# ..#.. ...#. ...#.",
+        "#...# #.... .###. .#... #...# #...# #.#.# ..#.. #...# ..#.. ##..# ..#.. ..#.. ....#",
+        "#...# #.... ....# .#..# #..## .#.#. #.#.# .#.#. #...# .#... #...# ..#.. .#... #...#",
+        ".#### #.... ####. ..##. .##.# ..#.. .#.#. #...# .#### ##### .###. .###. ##### .###.",
+        "....# ..... ..... ..... ..... ..... ..... ..... ....# ..... ..... ..... ..... .....",
+        "....# ..... ..... ..... ..... ..... ..... ..... .###. ..... ..... ..... ..... .....",
+    ),
+    (
+        "456789.,;:-+=_",
+        "...#. ##### ..##. ##### .###. .###. ..... ..... ..... ..... ..... ..... ..... .....",
+        "..##. #.... .#... ....# #...# #...# ..... ..... ..... ..... ..... ..#.. ..... .....",
+        ".#.#. ####. #.... ...#. #...# #...# ..... ..... .##.. .##.. ..... ..#.. ##### .....",
+        "#..#. ....# ####. ..#.. .###. .#### ..... ..... .##.. .##.. ##### ##### ..... .....",
+        "##### ....# #...# .#... #...# ....# ..... ..... ..... ..... ..... ..#.. ##### .....",
+        "...#. #...# #...# .#... #...# ...#. .##.. .##.. .##.. .##.. ..... ..#.. ..... .....",
+        "...#. .###. .###. .#... .###. .##.. .##.. .##.. .##.. .##.. ..... ..... ..... .....",
+        "..... ..... ..... ..... ..... ..... ..... ..#.. ..#.. ..... ..... ..... ..... #####",
+        "..... ..... ..... ..... ..... ..... ..... .#... .#... ..... ..... ..... ..... .....",
+    ),
+    (
+        "/()[]%?!'\"*#<>",
+        "....# ...#. .#... .###. .###. ##... .###. ..#.. ..#.. .#.#. ..... ..... ..... .....",
+        "....# ..#.. ..#.. .#... ...#. ##..# #...# ..#.. ..#.. .#.#. ..#.. .#.#. ...#. .#...",
+        "...#. .#... ...#. .#... ...#. ...#. ....# ..#.. .#... ..... #.#.# ##### ..#.. ..#..",
+        "..#.. .#... ...#. .#... ...#. ..#.. ...#. ..#.. ..... ..... .###. .#.#. .#... ...#.",
+        ".#... .#... ...#. .#... ...#. .#... ..#.. ..#.. ..... ..... #.#.# ##### ..#.. ..#..",
+        "#.... ..#.. ..#.. .#... ...#. #..## ..... ..... ..... ..... ..#.. .#.#. ...#. .#...",
+        "#.... ...#. .#... .###. .###. ...## ..#.. ..#.. ..... ..... ..... ..... ..... .....",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+        "..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+    ),
+    (
+        "|~@&$^\\`{} ",
+        "..#.. ..... .###. .##.. ..#.. ..#.. #.... .#... ..##. .##.. .....",
+        "..#.. ..... #...# #..#. .#### .#.#. #.... ..#.. .#... ...#. .....",
+        "..#.. ..... #.### #.#.. #.#.. #...# .#... ..... .#... ...#. .....",
+        "..#.. .##.# #.#.# .#... .###. ..... ..#.. ..... ##... ...## .....",
+        "..#.. #.##. #.### #.#.# ..#.# ..... ...#. ..... .#... ...#. .....",
+        "..#.. ..... #.... #..#. ####. ..... ....# ..... .#... ...#. .....",
+        "..#.. ..... .#### .##.# ..#.. ..... ....# ..... ..##. .##.. .....",
+        "..#.. ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+        "..#.. ..... ..... ..... ..... ..... ..... ..... ..... ..... .....",
+    ),
+)
+
+
+def _parse_font(art: tuple[tuple[str, ...], ...]) -> dict[str, tuple[str, ...]]:
+    """Glyph rows by character, from the blocks of ``_FONT_ART``."""
+    font: dict[str, tuple[str, ...]] = {}
+    for chars, *rows in art:
+        assert len(rows) == GLYPH_HEIGHT, chars
+        for index, char in enumerate(chars):
+            start = index * ADVANCE
+            font[char] = tuple(row[start : start + GLYPH_WIDTH] for row in rows)
+    return font
+
+
+FONT: dict[str, tuple[str, ...]] = _parse_font(_FONT_ART)
+
+
+def missing_glyphs(text: str) -> set[str]:
+    """The characters of ``text`` the font lacks (they would print as "?")."""
+    return {char for char in text if char not in FONT}
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
@@ -152,13 +213,15 @@ class Canvas:
                 y0 += sy
 
     def text(self, x: int, y: int, text: str, color: Color = BLACK, scale: int = 1) -> int:
-        """Draw ``text`` with its top-left corner at (x, y); return the x after it."""
-        for ch in text:
-            glyph = _FONT.get(ch.lower(), _FONT["?"])
-            for row in range(_GLYPH_H):
-                bits = int(glyph[2 * row : 2 * row + 2], 16)
-                for col in range(_GLYPH_W):
-                    if bits & (1 << (_GLYPH_W - 1 - col)):
+        """Draw ``text`` with its cell's top-left corner at (x, y); return the x after it.
+
+        See [Note: the bitmap font]: the cell is ``GLYPH_HEIGHT * scale`` pixels
+        tall, descenders included.
+        """
+        for char in text:
+            for row, bits in enumerate(FONT.get(char, FONT["?"])):
+                for col, ink in enumerate(bits):
+                    if ink == "#":
                         self.rect(
                             x + col * scale,
                             y + row * scale,
@@ -166,112 +229,14 @@ class Canvas:
                             y + (row + 1) * scale - 1,
                             color,
                         )
-            x += (_GLYPH_W + 1) * scale
+            x += ADVANCE * scale
         return x
 
     @staticmethod
     def text_width(text: str, scale: int = 1) -> int:
-        """Pixels ``text`` takes horizontally."""
-        return len(text) * (_GLYPH_W + 1) * scale
+        """Pixels ``text`` takes horizontally (the last glyph's spacing column included)."""
+        return len(text) * ADVANCE * scale
 
     def png(self) -> bytes:
         """The image as PNG bytes."""
         return encode_png(self.width, self.height, bytes(self.pixels))
-
-
-def _number(value: float) -> str:
-    if value == 0:
-        return "0"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    if abs(value) >= 1:
-        return f"{value:.2f}"
-    return f"{value:.3f}"
-
-
-def _axes(canvas: Canvas, box: tuple[int, int, int, int], low: float, high: float) -> None:
-    """Frame, four horizontal grid lines and their values on the left."""
-    left, top, right, bottom = box
-    for i in range(5):
-        y = bottom - round(i * (bottom - top) / 4)
-        canvas.line(left, y, right, y, GREY)
-        label = _number(low + (high - low) * i / 4)
-        canvas.text(left - Canvas.text_width(label) - 4, y - 3, label, DARK)
-    canvas.line(left, top, left, bottom, BLACK)
-    canvas.line(left, bottom, right, bottom, BLACK)
-
-
-def _loss_panel(
-    canvas: Canvas, box: tuple[int, int, int, int], curve: Sequence[tuple[int, float]]
-) -> None:
-    left, top, right, bottom = box
-    canvas.text(left, top - 14, "loss", BLACK)
-    if not curve:
-        return
-    low = min(v for _, v in curve)
-    high = max(v for _, v in curve)
-    if high - low < 1e-9:
-        low, high = low - 0.5, high + 0.5
-    _axes(canvas, box, low, high)
-    first, last = curve[0][0], curve[-1][0]
-    span = max(1, last - first)
-
-    def point(step: int, value: float) -> tuple[int, int]:
-        x = left + round((step - first) * (right - left) / span)
-        y = bottom - round((value - low) * (bottom - top) / (high - low))
-        return x, y
-
-    for (s0, v0), (s1, v1) in itertools.pairwise(curve):
-        canvas.line(*point(s0, v0), *point(s1, v1), PALETTE[0], width=2)
-    for step in (first, (first + last) // 2, last):
-        label = str(step)
-        x = point(step, low)[0] - Canvas.text_width(label) // 2
-        canvas.text(x, bottom + 6, label, DARK)
-    canvas.text(right - Canvas.text_width("step"), bottom + 18, "step", BLACK)
-
-
-def _memory_panel(
-    canvas: Canvas,
-    box: tuple[int, int, int, int],
-    ranks: Sequence[tuple[str, int, int, int, int]],
-) -> None:
-    left, top, right, bottom = box
-    canvas.text(left, top - 14, "memory per rank (mib)", BLACK)
-    if not ranks:
-        return
-    high = max(max(r[1:]) for r in ranks) / 2**20 or 1.0
-    _axes(canvas, box, 0.0, high)
-    group = (right - left) / len(ranks)
-    bar = max(2, int(group / 6))
-    for index, (label, *values) in enumerate(ranks):
-        x = left + round(index * group + group / 2 - 2 * bar)
-        for k, value in enumerate(values):
-            height = round(value / 2**20 / high * (bottom - top))
-            canvas.rect(x + k * bar, bottom - height, x + (k + 1) * bar - 2, bottom - 1, PALETTE[k])
-        canvas.text(x, bottom + 6, label, DARK)
-    legend_y = bottom + 18
-    x = left
-    for k, name in enumerate(("params", "grads", "adamw", "peak")):
-        canvas.rect(x, legend_y, x + 6, legend_y + 6, PALETTE[k])
-        x = canvas.text(x + 10, legend_y, name, DARK) + 8
-
-
-def training_chart(
-    curve: Sequence[tuple[int, float]],
-    ranks: Sequence[tuple[str, int, int, int, int]],
-    *,
-    title: str,
-    width: int = 900,
-    height: int = 360,
-) -> bytes:
-    """A PNG: the loss per step on the left, per-rank memory bars on the right.
-
-    ``curve`` is ``(step, loss)`` pairs; ``ranks`` is ``(label, params, grads,
-    optimizer state, peak)`` in bytes.
-    """
-    canvas = Canvas(width, height)
-    canvas.text(10, 8, title, BLACK, scale=2)
-    split = int(width * 0.6)
-    _loss_panel(canvas, (70, 60, split - 30, height - 50), curve)
-    _memory_panel(canvas, (split + 60, 60, width - 20, height - 50), ranks)
-    return canvas.png()

@@ -654,7 +654,7 @@ class _Run:
 
     def finish(self, summary: RunSummary) -> None:
         """Rank 0: write summary.json, training.png and sample.txt; print the summary."""
-        from shard_cli._png import training_chart
+        from shard_cli._plot import training_chart
 
         text = self.sample(self.options.sample_chars)
         if self.rank != 0:
@@ -668,7 +668,7 @@ class _Run:
             if line
         ]
         png = training_chart(
-            [(r["step"], r["loss"]) for r in records],
+            records,
             [
                 (f"rank {r['rank']}", r["params"], r["grads"], r["optim"], r["peak"])
                 for r in summary.ranks
