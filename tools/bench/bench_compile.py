@@ -43,7 +43,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,8 +53,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, GPTConfig, synthetic_tokens
+from shard_cli.gpt import GPT, GPTConfig, synthetic_tokens
 
 CASES = ("torch_eager", "torch_compiled", "shard_eager", "shard_compiled", "shard_eager_raw")
 

@@ -113,8 +113,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shard_cli.gpt import GPT, Block, GPTConfig, synthetic_tokens
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt import GPT, Block, GPTConfig, synthetic_tokens
 from spawn import run_ranks
 
 IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")

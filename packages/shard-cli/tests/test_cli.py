@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,18 +101,6 @@ def test_bad_arguments_exit_2_with_a_message(
     """Invalid input is one line on stderr and exit status 2, never a traceback."""
     assert main(argv) == 2
     assert message in capsys.readouterr().err
-
-
-def test_the_benchmark_shim_reexports_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    """tools/bench/gpt.py is a re-export of shard_cli.gpt: one copy of the code."""
-    import shard_cli.gpt
-
-    monkeypatch.syspath_prepend(str(ROOT / "tools" / "bench"))
-    monkeypatch.delitem(sys.modules, "gpt", raising=False)
-    import gpt  # type: ignore[import-not-found]
-
-    assert gpt.GPT is shard_cli.gpt.GPT
-    assert gpt.synthetic_tokens is shard_cli.gpt.synthetic_tokens
 
 
 @pytest.mark.parametrize("flag", ["--nproc-per-node", "--nproc"])
