@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 from torch import nn
 
-from shard_core import CustomPolicy, LambdaWrapPolicy, ModuleWrapPolicy, WrapPlanError
+from shard_core import (
+    CustomPolicy,
+    LambdaWrapPolicy,
+    ModuleWrapPolicy,
+    WrapPlanError,
+    as_module_classes,
+)
 from shard_core.protocols import WrapPolicy
 
 
@@ -89,3 +95,18 @@ def test_custom_policy_keeps_pytorch_signature() -> None:
     assert repr(CustomPolicy(bool)) == "CustomPolicy(<class 'bool'>)"
     with pytest.raises(WrapPlanError, match=r"^CustomPolicy: expected a callable"):
         CustomPolicy(None)  # type: ignore[arg-type]
+
+
+def test_as_module_classes_is_the_one_check_every_policy_uses() -> None:
+    """One class or an iterable, duplicates dropped in order; anything else names owner and fix."""
+    got = as_module_classes([nn.Linear, nn.ReLU, nn.Linear], owner="P", argument="a", example="X")
+    assert got == (nn.Linear, nn.ReLU)
+    assert as_module_classes(nn.Linear, owner="P", argument="a", example="X") == (nn.Linear,)
+    with pytest.raises(
+        WrapPlanError,
+        match=r"^P: a must be a set of nn.Module subclasses or None, got 'x' \(str\); pass e\.g\. "
+        r"a=\{X\}, or None to pick$",
+    ):
+        as_module_classes("x", owner="P", argument="a", example="X", none_means="pick")
+    with pytest.raises(WrapPlanError, match=r"^P: a must hold nn.Module subclasses, got 3 \(int\)"):
+        as_module_classes([3], owner="P", argument="a", example="X")

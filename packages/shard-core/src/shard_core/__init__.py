@@ -3,7 +3,13 @@
 from shard_core._cpu import CpuDeviceHandle
 from shard_core._dim0 import contiguous_stride, dim0_chunk_range, padded_dim0_size
 from shard_core._layout import FlatLayout, ParamShardInfo, ParamSpec, ShardMetadata
-from shard_core._policies import CustomPolicy, LambdaWrapPolicy, ModuleWrapPolicy
+from shard_core._policies import (
+    CustomPolicy,
+    LambdaWrapPolicy,
+    ModuleClasses,
+    ModuleWrapPolicy,
+    as_module_classes,
+)
 from shard_core._version import __version__
 from shard_core._wrap_plan import WrapTarget, plan_wraps
 from shard_core.errors import PluginWarning, WrapPlanError
@@ -21,6 +27,7 @@ __all__ = [
     "CustomPolicy",
     "FlatLayout",
     "LambdaWrapPolicy",
+    "ModuleClasses",
     "ModuleWrapPolicy",
     "ParamShardInfo",
     "ParamSpec",
@@ -30,6 +37,7 @@ __all__ = [
     "WrapPlanError",
     "WrapTarget",
     "__version__",
+    "as_module_classes",
     "contiguous_stride",
     "dim0_chunk_range",
     "get_plugin_manager",

@@ -17,9 +17,53 @@ from torch import nn
 from shard_core.errors import WrapPlanError
 from shard_core.protocols import WrapDecision
 
-__all__ = ["CustomPolicy", "LambdaWrapPolicy", "ModuleWrapPolicy"]
+__all__ = [
+    "CustomPolicy",
+    "LambdaWrapPolicy",
+    "ModuleClasses",
+    "ModuleWrapPolicy",
+    "as_module_classes",
+]
 
 ModuleClasses = type[nn.Module] | Iterable[type[nn.Module]]
+"""One ``nn.Module`` class, or an iterable of them: how every policy takes classes."""
+
+
+def as_module_classes(
+    given: object, *, owner: str, argument: str, example: str, none_means: str | None = None
+) -> tuple[type[nn.Module], ...]:
+    """``given`` (a class or an iterable of classes) as a tuple, duplicates dropped, checked.
+
+    Every policy that takes module classes (this module's, the size and
+    transformer plugins', third parties') checks them the same way, so their
+    errors read alike: ``{owner}: {argument} must ...``, ending with an
+    example (``{argument}={{{example}}}``). ``none_means`` says what ``None``
+    would have done, for policies that accept it (the caller handles
+    ``None`` itself).
+
+    Raises:
+        WrapPlanError: ``given`` is neither a class nor an iterable (a string
+            counts as neither), or holds something that is not an
+            ``nn.Module`` subclass.
+    """
+    value = given
+    if isinstance(value, type):
+        value = (value,)
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        or_none = "" if none_means is None else " or None"
+        then = "" if none_means is None else f", or None to {none_means}"
+        raise WrapPlanError(
+            f"{owner}: {argument} must be a set of nn.Module subclasses{or_none}, got "
+            f"{value!r} ({type(value).__name__}); pass e.g. {argument}={{{example}}}{then}"
+        )
+    classes = tuple(dict.fromkeys(value))
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise WrapPlanError(
+                f"{owner}: {argument} must hold nn.Module subclasses, got {cls!r} "
+                f"({type(cls).__name__}); pass the class itself, e.g. {argument}={{{example}}}"
+            )
+    return classes
 
 
 class ModuleWrapPolicy:
@@ -33,15 +77,12 @@ class ModuleWrapPolicy:
     __slots__ = ("_module_classes",)
 
     def __init__(self, module_classes: ModuleClasses) -> None:
-        classes = (module_classes,) if isinstance(module_classes, type) else tuple(module_classes)
-        for cls in classes:
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                raise WrapPlanError(
-                    f"ModuleWrapPolicy: module_classes must hold nn.Module subclasses, "
-                    f"got {cls!r} ({type(cls).__name__}); pass the class itself, "
-                    f"e.g. module_classes={{TransformerBlock}}"
-                )
-        self._module_classes = tuple(dict.fromkeys(classes))
+        self._module_classes = as_module_classes(
+            module_classes,
+            owner="ModuleWrapPolicy",
+            argument="module_classes",
+            example="TransformerBlock",
+        )
 
     @property
     def module_classes(self) -> tuple[type[nn.Module], ...]:

@@ -9,16 +9,13 @@ so a policy carries over with its import line.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from numbers import Integral
 
 from torch import nn
 
-from shard_core import WrapPlanError
+from shard_core import ModuleClasses, WrapPlanError, as_module_classes
 
 __all__ = ["DEFAULT_EXCLUDE_WRAP_MODULES", "DEFAULT_FORCE_LEAF_MODULES", "SizeWrapPolicy"]
-
-ModuleClasses = type[nn.Module] | Iterable[type[nn.Module]]
 
 DEFAULT_FORCE_LEAF_MODULES: frozenset[type[nn.Module]] = frozenset({nn.MultiheadAttention})
 """Leaf classes (never units, never entered), when ``force_leaf_modules`` is ``None``."""
@@ -141,23 +138,11 @@ def _classes(
     """``given`` as a set of module classes (``default`` for ``None``), each one checked."""
     if given is None:
         return default
-    value: object = given  # checked as what a caller may really pass
-    if isinstance(value, type):
-        value = (value,)
-    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise WrapPlanError(
-            f"SizeWrapPolicy: {argument} must be a set of nn.Module subclasses, got "
-            f"{value!r} ({type(value).__name__}); pass e.g. {argument}={{nn.MultiheadAttention}}"
+    return frozenset(
+        as_module_classes(
+            given, owner="SizeWrapPolicy", argument=argument, example="nn.MultiheadAttention"
         )
-    classes = tuple(value)
-    for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise WrapPlanError(
-                f"SizeWrapPolicy: {argument} must hold nn.Module subclasses, got {cls!r} "
-                f"({type(cls).__name__}); pass the class itself, e.g. "
-                f"{argument}={{nn.MultiheadAttention}}"
-            )
-    return frozenset(classes)
+    )
 
 
 def _show(classes: frozenset[type[nn.Module]]) -> str:

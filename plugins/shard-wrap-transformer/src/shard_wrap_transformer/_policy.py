@@ -11,16 +11,13 @@ config, say).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
 from torch import nn
 
-from shard_core import WrapPlanError
+from shard_core import ModuleClasses, WrapPlanError, as_module_classes
 from shard_wrap_transformer._detect import require_block_list
 
 __all__ = ["TransformerBlockPolicy"]
-
-ModuleClasses = type[nn.Module] | Iterable[type[nn.Module]]
 
 logger = logging.getLogger("shard.wrap")
 
@@ -119,16 +116,13 @@ def _detect(root: nn.Module) -> type[nn.Module]:
 
 def _classes(given: ModuleClasses) -> tuple[type[nn.Module], ...]:
     """``given`` as a tuple of block classes, without duplicates, each one checked."""
-    value: object = given  # checked as what a caller may really pass
-    if isinstance(value, type):
-        value = (value,)
-    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise WrapPlanError(
-            f"TransformerBlockPolicy: block_classes must be a set of nn.Module subclasses or "
-            f"None, got {value!r} ({type(value).__name__}); pass e.g. "
-            f"block_classes={{MyBlock}}, or None to detect the block class"
-        )
-    classes = tuple(dict.fromkeys(value))
+    classes = as_module_classes(
+        given,
+        owner="TransformerBlockPolicy",
+        argument="block_classes",
+        example="MyBlock",
+        none_means="detect the block class",
+    )
     if not classes:
         raise WrapPlanError(
             "TransformerBlockPolicy: block_classes is empty, so no module would become a "
@@ -136,12 +130,6 @@ def _classes(given: ModuleClasses) -> tuple[type[nn.Module], ...]:
             "detect the block class"
         )
     for cls in classes:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise WrapPlanError(
-                f"TransformerBlockPolicy: block_classes must hold nn.Module subclasses, got "
-                f"{cls!r} ({type(cls).__name__}); pass the class itself, e.g. "
-                f"block_classes={{MyBlock}}"
-            )
         if issubclass(cls, _CONTAINERS):
             raise WrapPlanError(
                 f"TransformerBlockPolicy: block_classes holds {cls.__name__}, which has no "
