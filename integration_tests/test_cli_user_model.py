@@ -2,7 +2,10 @@
 
 Each model trains a few steps on two ranks; its losses equal, within fp32
 round-off, those of one plain PyTorch process that trains the same model
-(same seed) on the two ranks' batches together with AdamW.
+(same seed) on the two ranks' batches together with AdamW. A transformers
+model is built on the meta device and initialised module by module from
+``(seed, module name)`` (``shard_cli._materialise``), so the reference
+initialises its unsharded model with the same function.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from shard_cli.__main__ import main as shard_main
 from shard_cli._corpus import CharCorpus
+from shard_cli._materialise import hf_module_init, materialise, parameters_on_meta
 
 STEPS, BATCH, SEQ, LR, SEED = 4, 4, 16, 1e-2, 0
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs.\n" * 20
@@ -140,18 +144,28 @@ def test_model_factory_on_two_ranks_matches_one_process_and_resumes(
     assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-def test_hf_config_on_two_ranks_matches_one_process(work: Path) -> None:
-    """--hf-config (a tiny Llama config.json) with --data: two ranks' losses equal one process's."""
+@pytest.mark.parametrize(("tied", "frontend"), [(True, "fully_shard"), (False, "wrapper")])
+def test_hf_config_on_two_ranks_matches_one_process(work: Path, tied: bool, frontend: str) -> None:
+    """--hf-config (a tiny Llama config.json, its embeddings tied or not) with --data: built on
+    the meta device and initialised per module, two ranks' losses equal one process's that
+    initialises the unsharded model the same way."""
     transformers = pytest.importorskip("transformers")
     (work / "llama").mkdir()
-    (work / "llama" / "config.json").write_text(json.dumps(LLAMA), encoding="utf-8")
-    result = _train(work, "--hf-config", "llama/config.json")
+    config_json = {**LLAMA, "tie_word_embeddings": tied}
+    (work / "llama" / "config.json").write_text(json.dumps(config_json), encoding="utf-8")
+    result = _train(work, "--hf-config", "llama/config.json", "--frontend", frontend)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = transformers.AutoConfig.from_pretrained(str(work / "llama" / "config.json"))
-    expected = _reference(
-        lambda: transformers.AutoModelForCausalLM.from_config(config),
-        lambda m, x: m(x).logits,
-    )
+
+    def build() -> nn.Module:
+        with parameters_on_meta():
+            model: nn.Module = transformers.AutoModelForCausalLM.from_config(config)
+        materialise(model, device=torch.device("cpu"), seed=SEED, init=hf_module_init)
+        head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+        assert (head is embed) == tied
+        return model
+
+    expected = _reference(build, lambda m, x: m(x).logits)
     assert _losses(work / "r") == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 

@@ -6,7 +6,11 @@ logits ``(batch, seq, vocab)``, or to an output with ``.logits``), or
 ``--hf-config`` (a local ``config.json`` or a ``transformers`` config class
 name, built with ``AutoModelForCausalLM.from_config``; nothing is downloaded).
 Both commands resolve the model here, so a model ``shard plan`` accepts is
-one ``shard train`` trains.
+one ``shard train`` trains. A source that knows how to initialise its
+modules (``init``: a ``transformers`` model's own ``_init_weights``) is
+trained from the meta device: :func:`build_for_training` builds it without
+parameter storage and :func:`materialise_sharded` fills the shards (see
+``_materialise.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from shard_cli._materialise import ModuleInit, hf_module_init, materialise, parameters_on_meta
 from shard_cli._presets import get_preset
 from shard_cli.gpt import GPT
 from shard_core import get_registry
 
-__all__ = ["HF_INSTALL", "ModelSource", "load_model_source", "logits_from"]
+__all__ = [
+    "HF_INSTALL",
+    "ModelSource",
+    "build_for_training",
+    "load_model_source",
+    "logits_from",
+    "materialise_sharded",
+]
 
 HF_INSTALL = "pip install transformers (or shard-cli's [hf] extra)"
 """How to install what ``--hf-config`` needs."""
@@ -44,6 +56,10 @@ class ModelSource:
         batch: The default batch for the activation estimate.
         logits_of: How to get logits from ``(model, tokens)``; ``None``: ``model(tokens)``.
         default_policy: The wrap policy when ``--wrap-policy auto``.
+        init: How to initialise one module's parameters in place,
+            ``init(root, module)``, after the model was built on the meta
+            device; ``None``: the model is built with its values on the CPU
+            (its constructor initialises it).
     """
 
     description: str
@@ -53,6 +69,7 @@ class ModelSource:
     batch: int
     logits_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
     default_policy: str
+    init: ModuleInit | None = None
 
 
 def _registered_or_none(name: str) -> str:
@@ -193,6 +210,53 @@ def _hf_source(config_ref: str, kwargs: dict[str, Any]) -> ModelSource:
         batch=1,
         logits_of=_hf_logits,
         default_policy=_registered_or_none("transformer"),
+        init=hf_module_init,
+    )
+
+
+def build_for_training(
+    source: ModelSource, *, sharded_later: bool, device: torch.device, seed: int
+) -> nn.Module:
+    """``source``'s model for ``shard train``: parameters on meta when they can be filled later.
+
+    A source with ``init`` is built with its parameters on the meta device
+    (no storage). When ``sharded_later`` (``fully_shard`` takes meta
+    parameters and :func:`materialise_sharded` fills the shards), it is
+    returned so; otherwise (the wrapper flattens real tensors) it is
+    initialised whole on ``device`` first, to the same values. A source
+    without ``init`` is built as its constructor makes it.
+    """
+    if source.init is None:
+        return source.build()
+    with parameters_on_meta():
+        model = source.build()
+    if not sharded_later:
+        materialise(model, device=device, seed=seed, init=source.init)
+    return model
+
+
+def materialise_sharded(
+    model: nn.Module,
+    source: ModelSource,
+    *,
+    device: torch.device,
+    seed: int,
+    cpu_offload: bool = False,
+) -> None:
+    """Give a model :func:`build_for_training` left on meta its values, after ``fully_shard``.
+
+    Does nothing when no parameter is on the meta device. With
+    ``cpu_offload`` the shards live on the CPU (the runtime copies them to
+    ``device`` for compute); buffers go to ``device`` either way.
+    """
+    if source.init is None or not any(p.is_meta for p in model.parameters()):
+        return
+    materialise(
+        model,
+        device=device,
+        param_device=torch.device("cpu") if cpu_offload else None,
+        seed=seed,
+        init=source.init,
     )
 
 
