@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from shard_comm_lowp._compress import bf16_compress, fp16_compress
-from shard_core.plugin.hookspecs import hookimpl
+from shard_core import hookimpl
 from shard_core.protocols import CommHook
 
 __all__ = ["shard_comm_hooks"]

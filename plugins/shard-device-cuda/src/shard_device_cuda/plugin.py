@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shard_core.plugin.hookspecs import hookimpl
+from shard_core import hookimpl
 from shard_core.protocols import DeviceHandle
 from shard_device_cuda._handle import CudaDeviceHandle
 
