@@ -9,17 +9,28 @@ from collections.abc import Sequence
 
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, TrainOptions, resolve_options
 from shard_cli._presets import PRESETS
+from shard_cli._schedule import LR_SCHEDULES
 
 __all__ = ["build_parser", "main"]
 
 _EPILOG_TRAIN = """\
+config file (--config FILE, TOML): every flag above is a key, its name without
+the leading dashes and with dashes written as underscores; switches take true
+or false; flags on the command line win over the file, e.g.
+  steps = 200
+  lr_schedule = "cosine"
+  warmup_steps = 20
+  activation_checkpointing = true
+
 several machines: run the same module under torchrun on each, e.g.
   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
       --rdzv-endpoint HOST:29500 -m shard_cli train --preset small
 """
 
 
-def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_train(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     defaults = TrainOptions()
     p = sub.add_parser(
         "train",
@@ -33,6 +44,11 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         epilog=_EPILOG_TRAIN,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument(
+        "--config",
+        help="a TOML file of flags (keys: flag names with underscores; see below); "
+        "command-line flags win",
     )
     presets = ", ".join(f"{n} ({p.description})" for n, p in PRESETS.items())
     p.add_argument(
@@ -108,6 +124,63 @@ def _add_train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="restart every rank up to N times after one fails, resuming from the last "
         f"checkpoint (default {defaults.max_restarts}: a failed rank ends the run)",
     )
+    _add_optimization(p)
+    return p
+
+
+def _add_optimization(p: argparse.ArgumentParser) -> None:
+    """The flags of the optimizer step and of how blocks run; all off by default."""
+    p.add_argument(
+        "--warmup-steps",
+        dest="warmup_steps",
+        type=int,
+        help="linear learning-rate warmup over the first N steps (default 0: none)",
+    )
+    p.add_argument(
+        "--lr-schedule",
+        dest="lr_schedule",
+        choices=LR_SCHEDULES,
+        help="after the warmup: constant (default) or cosine decay to --min-lr at the last step",
+    )
+    p.add_argument(
+        "--min-lr", dest="min_lr", type=float, help="where the cosine ends (default 0.0)"
+    )
+    p.add_argument(
+        "--clip-grad-norm",
+        dest="clip_grad_norm",
+        type=float,
+        help="clip gradients to this global norm across shards; the pre-clip norm is logged "
+        "(default: no clipping)",
+    )
+    p.add_argument(
+        "--grad-accum",
+        dest="grad_accum",
+        type=int,
+        help="micro-batches of --batch per optimizer step, gradients reduced on the last "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        action="store_true",
+        help="recompute each block's activations in backward (less memory, same losses)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each block (on CPU it needs a C compiler)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write metrics to RUN_DIR/tensorboard (needs: pip install tensorboard)",
+    )
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """The ``shard train`` parser alone (the keys of a config file come from it)."""
+    holder = argparse.ArgumentParser(prog="shard")
+    return _add_train(holder.add_subparsers())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,13 +214,27 @@ def _check_policy(name: str) -> None:
         )
 
 
+def _with_config_file(given: dict[str, object]) -> dict[str, object]:
+    """The flags ``given`` over those of ``--config`` (see ``_config_file.py``)."""
+    path = given.pop("config", None)
+    if path is None:
+        return given
+    from shard_cli._config_file import config_keys, read_config_file
+
+    return {**read_config_file(str(path), config_keys(train_parser())), **given}
+
+
 def _train(given: dict[str, object], argv: Sequence[str]) -> int:
     from shard_cli._launch import is_launched_rank, launch
 
     try:
-        options = resolve_options(given)
+        options = resolve_options(_with_config_file(dict(given)))
         _check_policy(options.wrap_policy)
-    except (ValueError, FileNotFoundError, LookupError) as exc:
+        if options.tensorboard:
+            from shard_cli._tensorboard import check_tensorboard
+
+            check_tensorboard()
+    except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         print(f"shard train: {exc}", file=sys.stderr)
         return 2
     if is_launched_rank():

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from shard_cli._presets import get_preset
+from shard_cli._schedule import LR_SCHEDULES, LrSchedule
 
 __all__ = [
     "FRONTENDS",
@@ -52,6 +53,10 @@ RESUMABLE_CHANGES = frozenset(
         "shard_size",
         "cpu_offload",
         "wrap_policy",
+        # How activations are kept and blocks run, and where metrics go: same numbers.
+        "activation_checkpointing",
+        "compile",
+        "tensorboard",
     }
 )
 
@@ -102,6 +107,20 @@ class TrainOptions:
         data: A UTF-8 text file (one character per token) or a ``.bin`` of
             token ids; ``None``: shard's own sources.
         data_dtype: Element type of a ``.bin`` file: ``uint16`` or ``uint32``.
+        warmup_steps: Steps of linear learning-rate warmup (0: none); see
+            ``_schedule.py``.
+        lr_schedule: ``constant`` (``lr`` after the warmup) or ``cosine``
+            (from ``lr`` down to ``min_lr`` at the last step).
+        min_lr: The learning rate the cosine ends at (``cosine`` only).
+        clip_grad_norm: Clip the gradients to this global norm (across every
+            shard) before each optimizer step; ``None``: no clipping.
+        grad_accum: Micro-batches per optimizer step, each of ``batch``
+            sequences per rank; gradients are reduced on the last one only.
+        activation_checkpointing: Recompute each block's activations in
+            backward instead of keeping them (same losses, less memory).
+        compile: ``torch.compile`` each block's forward.
+        tensorboard: Also write the metrics as TensorBoard events to
+            ``<run_dir>/tensorboard`` (needs the tensorboard package).
     """
 
     preset: str = "small"
@@ -132,6 +151,14 @@ class TrainOptions:
     hf_config: str | None = None
     data: str | None = None
     data_dtype: str = "uint16"
+    warmup_steps: int = 0
+    lr_schedule: LrSchedule = "constant"
+    min_lr: float = 0.0
+    clip_grad_norm: float | None = None
+    grad_accum: int = 1
+    activation_checkpointing: bool = False
+    compile: bool = False
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         get_preset(self.preset)
@@ -151,11 +178,18 @@ class TrainOptions:
             ("frontend", self.frontend, FRONTENDS),
             ("strategy", self.strategy, STRATEGIES),
             ("precision", self.precision, PRECISIONS),
+            ("lr-schedule", self.lr_schedule, LR_SCHEDULES),
         )
         for name, value, allowed in choices:
             if value not in allowed:
                 raise ValueError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
-        positive = {"seq": self.seq, "batch": self.batch, "steps": self.steps, "nproc": self.nproc}
+        positive = {
+            "seq": self.seq,
+            "batch": self.batch,
+            "steps": self.steps,
+            "nproc": self.nproc,
+            "grad-accum": self.grad_accum,
+        }
         for name, number in positive.items():
             if number < 1:
                 raise ValueError(f"--{name} must be at least 1, got {number}")
@@ -170,6 +204,29 @@ class TrainOptions:
             )
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
+        self._check_optimization()
+
+    def _check_optimization(self) -> None:
+        """The learning-rate schedule and clipping flags are in range and consistent."""
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be more than 0, got {self.lr}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(
+                f"--warmup-steps must be between 0 and --steps ({self.steps}), "
+                f"got {self.warmup_steps}"
+            )
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr must be between 0 and --lr ({self.lr}), got {self.min_lr}")
+        if self.min_lr and self.lr_schedule != "cosine":
+            raise ValueError(
+                f"--min-lr {self.min_lr} needs --lr-schedule cosine (a constant schedule "
+                "stays at --lr); drop --min-lr or pass --lr-schedule cosine"
+            )
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ValueError(
+                f"--clip-grad-norm must be more than 0, got {self.clip_grad_norm}; "
+                "leave it out to train without clipping"
+            )
 
     @property
     def checkpoint_path(self) -> Path:
@@ -217,9 +274,10 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
     from the preset (``steps``, ``batch``, ``seq``, ``lr``) and the defaults;
     with ``resume`` set, the run continues the one stored in
     ``<run_dir>/config.json`` and only ``steps``, ``ckpt_every``,
-    ``sample_chars``, ``measure_step``, ``timeout_s``, ``max_restarts`` and
+    ``sample_chars``, ``measure_step``, ``timeout_s``, ``max_restarts``,
     how the model is sharded (``frontend``, ``strategy``, ``shard_size``, ``cpu_offload``,
-    ``wrap_policy``) may change.
+    ``wrap_policy``) and how it runs (``activation_checkpointing``, ``compile``,
+    ``tensorboard``) may change; ``steps`` not under a cosine schedule.
 
     Raises:
         ValueError: a flag is out of range, or a resume changes an option the
@@ -239,6 +297,12 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
                     f"{getattr(stored, name)} (config.json); a resumed run keeps the model, "
                     f"data, precision and world size of its checkpoint: drop {flag}"
                 )
+        if stored.lr_schedule == "cosine" and given.get("steps", stored.steps) != stored.steps:
+            raise ValueError(
+                f"--resume: --steps {given['steps']} differs from the interrupted run's "
+                f"{stored.steps}, over which its cosine learning rate decays; a resumed cosine "
+                f"run keeps its --steps: drop --steps"
+            )
         for name in ("run_dir", "ckpt_dir"):
             if name in given:
                 changes[name] = given[name]

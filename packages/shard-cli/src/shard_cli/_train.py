@@ -6,9 +6,26 @@ run directory and prints. See ``_launch.py`` for how ranks are started and
 stopped, and [Note: batches from the step alone] for why resuming is exact.
 
 [Note: a step]
-A step is: this rank's batch, forward, ``cross_entropy`` in float32, backward
-(the runtime reduce-scatters the gradients), ``AdamW.step()``, then
-``zero_grad`` (gradients freed). The loss shown is the average over ranks.
+A step is: the step's learning rate into AdamW (``_schedule.py``), this
+rank's batch, forward, ``cross_entropy`` in float32, backward (the runtime
+reduce-scatters the gradients), with ``--clip-grad-norm`` the gradients
+clipped to a global norm, ``AdamW.step()``, then ``zero_grad`` (gradients
+freed). The loss shown is the average over ranks.
+
+[Note: gradient accumulation]
+With ``--grad-accum K`` the step draws one batch of ``K * batch`` rows for
+``(seed, step, rank)`` and runs it as ``K`` micro-batches of ``batch`` rows,
+each loss divided by ``K``: the gradient is the one of the whole batch, so
+``--grad-accum K --batch B`` trains as ``--batch K*B`` does (up to the order
+of float additions) in a ``K``-th of the activation memory. Gradients are
+reduced on the last micro-batch only: before it, ``fully_shard`` models get
+``set_requires_gradient_sync(False)`` and wrapper models run under
+``no_sync()``, so each rank accumulates its full, unreduced gradients
+locally. The step's loss is the mean of its micro-batches' losses.
+The clipped norm is the norm of the whole model's gradient: under
+``fully_shard`` the gradients are DTensors, whose norm
+``torch.nn.utils.get_total_norm`` reduces across shards (and replicas);
+the wrapper's own ``clip_grad_norm_`` does the same for flat parameters.
 Three consecutive steps (from ``--measure-step``, by default the second of
 the launch) run under the profiler and the collective counters; the summary
 reports their communication bytes per kind, their communication and compute
@@ -41,6 +58,7 @@ attempt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -57,18 +75,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
+from shard_cli._blocks import find_blocks, wrap_blocks
 from shard_cli._checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
-from shard_cli._model_source import (
-    ModelSource,
-    build_for_training,
-    load_model_source,
-    logits_from,
-    materialise_sharded,
-)
+from shard_cli._model_source import ModelSource, load_model_source, logits_from
 from shard_cli._options import TrainOptions
 from shard_cli._plan import (
     MemoryEstimate,
@@ -80,10 +94,13 @@ from shard_cli._plan import (
 from shard_cli._presets import get_preset
 from shard_cli._progress import Progress
 from shard_cli._report import summary_lines
+from shard_cli._schedule import lr_at
 from shard_cli._shard import compute_dtype, resolve_policy, shard_layout, shard_model
+from shard_cli._tensorboard import MetricsWriter
 from shard_cli.gpt import GPT, GPTConfig
 from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
 from shard_core.errors import CollectiveError, ShardError
+from shard_runtime import FSDPModule, FullyShardedDataParallel
 
 __all__ = ["RunSummary", "predict", "run_worker"]
 
@@ -308,6 +325,12 @@ def model_vocab(source: ModelSource, model: nn.Module, data_vocab: int, data: st
         with torch.no_grad():
             tokens = torch.zeros(1, 1, dtype=torch.long, device=device)
             vocab = int(logits_from(model(tokens)).shape[-1])
+    if vocab < data_vocab and data is not None and Path(data).suffix == ".bin":
+        raise ValueError(
+            f"{source.description} has a vocabulary of {vocab} tokens but --data {data} holds "
+            f"token id {data_vocab - 1}; give the model a vocabulary of at least {data_vocab} "
+            "(vocab_size in its config or factory), or check --data-dtype"
+        )
     if vocab < data_vocab:
         what = data or "shard's sources"
         raise ValueError(
@@ -360,16 +383,10 @@ class _Run:
             self.source = gpt_source(self.config, options.preset)
         self._check_vocab()
         torch.manual_seed(options.seed)
-        # A transformers model starts on the meta device, filled shard by shard after
-        # fully_shard (_materialise.py); other models are built as their constructor makes them.
-        model = build_for_training(
-            self.source,
-            sharded_later=options.frontend == "fully_shard",
-            device=self.device,
-            seed=options.seed,
-        )
+        model = self.source.build()
         self.vocab_size = self._model_vocab(model)
         self.policy = wrap_policy_name(options, self.source)
+        self._wrap_blocks(model)
         self.parameters = sum(p.numel() for p in model.parameters())
         layout = shard_layout(options.strategy, self.world, options.shard_size)
         self.model, self.mesh = shard_model(
@@ -382,14 +399,8 @@ class _Run:
             policy=resolve_policy(self.policy),
             device=self.device,
         )
-        materialise_sharded(
-            self.model,
-            self.source,
-            device=self.device,
-            seed=options.seed,
-            cpu_offload=options.cpu_offload,
-        )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=options.lr)
+        self.metrics_writer: MetricsWriter | None = None
         self.start = 0
         self.current_step = 0
         self.mesh_for_ckpt: DeviceMesh | None = (
@@ -397,6 +408,23 @@ class _Run:
         )
 
     # ------------------------------------------------------------------ setup
+
+    def _wrap_blocks(self, model: nn.Module) -> None:
+        """Checkpoint and/or compile each block; see ``_blocks.py``."""
+        o = self.options
+        if not (o.activation_checkpointing or o.compile):
+            return
+        flags = " and ".join(
+            f
+            for f, on in (
+                ("--activation-checkpointing", o.activation_checkpointing),
+                ("--compile", o.compile),
+            )
+            if on
+        )
+        policy = resolve_policy(self.source.default_policy)
+        blocks = find_blocks(model, policy, what=self.source.description, flags=flags)
+        wrap_blocks(blocks, checkpointing=o.activation_checkpointing, compile=o.compile)
 
     def _data_vocab(self) -> str | int:
         """What the data's tokens are: its characters, or a token file's vocabulary size."""
@@ -462,25 +490,73 @@ class _Run:
                     if line and json.loads(line)["step"] <= self.start:
                         kept.append(line + "\n")
             metrics.write_text("".join(kept), encoding="utf-8")
+            if options.tensorboard:
+                self.metrics_writer = MetricsWriter(self.run_dir)
         dist.barrier()
 
     # ------------------------------------------------------------------ steps
 
     def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All micro-batches of ``step`` on this rank; see [Note: gradient accumulation]."""
         options = self.options
         x, y = self.corpus.batch(
-            step=step, rank=self.rank, batch=options.batch, seq=options.seq, seed=options.seed
+            step=step,
+            rank=self.rank,
+            batch=options.batch * options.grad_accum,
+            seq=options.seq,
+            seed=options.seed,
         )
         return x.to(self.device), y.to(self.device)
 
-    def _step(self, step: int) -> torch.Tensor:
-        """Batch, forward, backward, optimizer step; see [Note: a step]."""
-        x, y = self._batch(step)
-        logits = self._logits(self.model, x)
-        loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), y.reshape(-1))
-        loss.backward()  # type: ignore[no-untyped-call]
+    def _lr(self, step: int) -> float:
+        o = self.options
+        return lr_at(
+            step,
+            lr=o.lr,
+            steps=o.steps,
+            warmup_steps=o.warmup_steps,
+            schedule=o.lr_schedule,
+            min_lr=o.min_lr,
+        )
+
+    def _gradient_sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        """Reduce gradients in the next backward or not; see [Note: gradient accumulation]."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if isinstance(self.model, FullyShardedDataParallel) and not enabled:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _clip(self, max_norm: float) -> float:
+        """Clip the gradients to ``max_norm``; the norm before clipping (collective)."""
+        if isinstance(self.model, FullyShardedDataParallel):
+            return float(self.model.clip_grad_norm_(max_norm))
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    def _step(self, step: int) -> tuple[torch.Tensor, float | None]:
+        """One optimizer step: its loss and the pre-clip gradient norm; see [Note: a step]."""
+        for group in self.optim.param_groups:
+            group["lr"] = self._lr(step)
+        accum = self.options.grad_accum
+        inputs, targets = self._batch(step)
+        total = torch.zeros((), device=self.device)
+        for index, (x, y) in enumerate(zip(inputs.chunk(accum), targets.chunk(accum), strict=True)):
+            last = index == accum - 1
+            with self._gradient_sync(last):
+                logits = self._logits(self.model, x)
+                loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), y.reshape(-1))
+                (loss / accum if accum > 1 else loss).backward()  # type: ignore[no-untyped-call]
+            total += loss.detach()
+        max_norm = self.options.clip_grad_norm
+        norm = self._clip(max_norm) if max_norm is not None else None
         self.optim.step()
-        return loss.detach()
+        return (total / accum if accum > 1 else total), norm
 
     def train(self) -> RunSummary:
         """Run the steps from the checkpoint (or 1) to ``--steps``; rank 0 reports."""
@@ -497,7 +573,7 @@ class _Run:
         progress = Progress(sys.stdout, first=first, last=options.steps, tty=sys.stdout.isatty())
         if self.rank == 0:
             print(self._banner(first), flush=True)
-        tokens_per_step = self.world * options.batch * options.seq
+        tokens_per_step = self.world * options.batch * options.grad_accum * options.seq
         losses: list[float] = []
         traces: list[StepTrace] = []
         counts = CommCounts()
@@ -516,11 +592,11 @@ class _Run:
             if step in profiled:
                 baseline = held_bytes([*self.model.parameters(), *_optim_tensors(self.optim)])
                 with count_collectives() as counts, profile_step(self.device, baseline) as trace:
-                    loss = self._step(step)
+                    loss, norm = self._step(step)
                 traces.append(trace)
                 held = state_bytes(self.model, self.optim)
             else:
-                loss = self._step(step)
+                loss, norm = self._step(step)
             self.optim.zero_grad(set_to_none=True)
             dist.all_reduce(loss)
             value = float(loss) / self.world
@@ -532,7 +608,8 @@ class _Run:
                 )
             if self.rank == 0:
                 rate = tokens_per_step * (step - first + 1) / elapsed
-                self._log(step, value, rate, elapsed, time.perf_counter() - began)
+                lr = self._lr(step)
+                self._log(step, value, lr, norm, rate, elapsed, time.perf_counter() - began)
                 progress.update(step, value, rate)
             if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
                 save_training(
@@ -547,6 +624,8 @@ class _Run:
         wall = time.perf_counter() - started
         if self.rank == 0:
             progress.close()
+        if self.metrics_writer is not None:
+            self.metrics_writer.close()
         rss = int(handle.memory_stats().get("peak_allocated", 0))
         mine = {
             "rank": self.rank,
@@ -582,24 +661,49 @@ class _Run:
         return (
             f"shard train: {self.source.description} ({self.parameters / 1e6:.2f} M parameters) on "
             f"{where}, {o.frontend}, strategy {o.strategy}, {o.precision}"
-            f"{', cpu offload' if o.cpu_offload else ''}{resumed}\n"
+            f"{', cpu offload' if o.cpu_offload else ''}{self._training_banner()}{resumed}\n"
             f"run directory: {o.run_dir}  (checkpoint: {o.checkpoint_path})"
         )
+
+    def _training_banner(self) -> str:
+        """The non-default training options, for the banner."""
+        o = self.options
+        parts = []
+        if o.grad_accum > 1:
+            parts.append(f"{o.grad_accum} micro-batches per step")
+        if o.warmup_steps or o.lr_schedule != "constant":
+            parts.append(f"lr {o.lr_schedule}, {o.warmup_steps} warmup steps")
+        if o.clip_grad_norm is not None:
+            parts.append(f"gradients clipped to norm {o.clip_grad_norm}")
+        if o.activation_checkpointing:
+            parts.append("activation checkpointing")
+        if o.compile:
+            parts.append("compiled blocks")
+        return "".join(f", {p}" for p in parts)
 
     def _short_name(self) -> str:
         o = self.options
         return o.model or (Path(o.hf_config).parent.name if o.hf_config else o.preset)
 
-    def _log(self, step: int, loss: float, rate: float, elapsed: float, step_s: float) -> None:
-        record = {
-            "step": step,
-            "loss": loss,
-            "tokens_per_s": rate,
-            "elapsed_s": elapsed,
-            "step_s": step_s,
-        }
+    def _log(
+        self,
+        step: int,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        rate: float,
+        elapsed: float,
+        step_s: float,
+    ) -> None:
+        """One line of ``metrics.jsonl`` (and TensorBoard scalars); ``grad_norm`` if clipping."""
+        record: dict[str, float] = {"step": step, "loss": loss, "lr": lr}
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
+        record.update(tokens_per_s=rate, elapsed_s=elapsed, step_s=step_s)
         with (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8") as file:
             file.write(json.dumps(record) + "\n")
+        if self.metrics_writer is not None:
+            self.metrics_writer.write(step, {k: v for k, v in record.items() if k != "step"})
 
     def _summary(
         self,
