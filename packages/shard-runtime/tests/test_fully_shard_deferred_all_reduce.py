@@ -1,0 +1,45 @@
+"""set_requires_all_reduce defers HSDP's replica all-reduce without changing the gradient."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from shard_comms import count_collectives
+from shard_runtime import FSDPModule, fully_shard
+from shard_testing import RankPool
+
+
+def _blocks_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _deferred_all_reduce(defer: bool) -> dict[str, torch.Tensor]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _blocks_model()
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    root: FSDPModule = model  # type: ignore[assignment]
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randn(4, 4, generator=g) for _ in range(2 * dist.get_world_size())]
+    rank = dist.get_rank()
+    with count_collectives() as counts:
+        for micro in range(2):
+            root.set_requires_all_reduce(not defer or micro == 1)
+            model(data[2 * rank + micro]).sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    grads["all_reduces"] = torch.tensor(counts.calls("all_reduce"))
+    return grads
+
+
+def test_deferred_replica_all_reduce(rank_pool: RankPool) -> None:
+    """set_requires_all_reduce(False) defers the replica all-reduce; the gradient is unchanged."""
+    eager = rank_pool.run(_deferred_all_reduce, 4, False)[0]
+    for deferred in rank_pool.run(_deferred_all_reduce, 4, True):
+        assert int(eager["all_reduces"]) == 4
+        assert int(deferred["all_reduces"]) == 2
+        for key in ("0.weight", "2.weight", "4.bias"):
+            torch.testing.assert_close(deferred[key], eager[key])
