@@ -78,6 +78,7 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
     accelerator.load_state(str(checkpoint))
     resumed = train_steps(accelerator, model, optimizer, half, steps)
     return {
+        "model_class": f"{type(model).__module__}.{type(model).__name__}",
         "sharded_by_selected": isinstance(model, torch_fsdp.FSDPModule),
         "units": sum(isinstance(m, torch_fsdp.FSDPModule) for m in model.modules()),
         "losses": losses,

@@ -84,7 +84,6 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
         shutil.rmtree(checkpoint, ignore_errors=True)
     fabric.barrier()
     model, optimizer = setup(fabric)
-    sharded = type(model.layers[0]).__mro__
     half = steps // 2
     records = train_steps(fabric, model, optimizer, 0, half)
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": half})
@@ -96,7 +95,8 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
     resumed = train_steps(fabric, model, optimizer, state["step"], steps)
     return {
         "fsdp_module": f"{torch_fsdp.FSDPModule.__module__}.{torch_fsdp.FSDPModule.__name__}",
-        "sharded_by_selected": torch_fsdp.FSDPModule in sharded,
+        "model_class": f"{type(model.module).__module__}.{type(model.module).__name__}",
+        "sharded_by_selected": isinstance(model.module, torch_fsdp.FSDPModule),
         "steps": records,
         "resumed": resumed,
     }

@@ -134,6 +134,7 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
     dcp.load({"model": ModelWrapper(model), "optimizer": optimizers}, checkpoint_id=str(checkpoint))
     resumed = train_steps(model, optimizers, config, parallel_dims, half, steps)
     return {
+        "model_class": f"{type(model).__module__}.{type(model).__name__}",
         "sharded_by_selected": isinstance(model, torch_fsdp.FSDPModule),
         "steps": records,
         "resumed": resumed,
