@@ -104,7 +104,7 @@ test covers the same input, that test's file:
 43. a checkpoint path under a file
     CheckpointError [parent_not_a_directory]
 44. a full disk (ENOSPC) while saving; the previous checkpoint loads
-    CheckpointError [disk_full], also integration_tests/test_checkpoint_crash.py
+    CheckpointError [disk_full], also shard-checkpoint/tests/test_failures.py
 45. a checkpoint_id that is a file
     CheckpointError [checkpoint_id_is_a_file], also shard-checkpoint/tests/test_storage.py
 46. a checkpoint_id that is a directory of other files
@@ -1004,7 +1004,7 @@ CATALOGUE: list[Kind] = [
         CheckpointError,
         ("No space left on device", "on rank 0", "the partial files were removed"),
         ("is full: free space there", "on another disk"),
-        "integration_tests/test_checkpoint_crash.py",
+        "shard-checkpoint/tests/test_failures.py",
         where="local",
     ),
     Kind(

@@ -7,7 +7,7 @@ model without a process group; rank 0's peak memory must grow by about one
 unit, not by the model; and a failed export must leave the file that was
 there and keep the ranks in step.
 
-Peak memory is measured as in test_checkpoint_memory.py: freed heap memory
+Peak memory is measured as in test_memory.py: freed heap memory
 is returned to the OS and large allocations are served by ``mmap`` before
 each measurement, and an export of a tiny model runs first so that one-time
 costs (lazy imports, caches) are not counted.

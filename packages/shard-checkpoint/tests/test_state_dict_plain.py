@@ -1,7 +1,7 @@
 """The functional API on plain (unsharded) models in one process: names, forms, errors.
 
 Sharded models go through the same code with DTensor values; those tests
-run on ranks in ``integration_tests/test_checkpoint_*.py``.
+run on ranks in ``test_roundtrip.py`` and its neighbours (``rank_pool``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No process group here: DCP runs in one process and the state dicts hold
 plain tensors. The multi-rank behaviour of the same code (resharding, a rank
-failing mid-save) is covered in ``integration_tests/test_checkpoint_*.py``.
+failing mid-save) is covered in ``test_roundtrip.py`` and ``test_failures.py``.
 """
 
 from __future__ import annotations
