@@ -87,6 +87,7 @@ def test_top_level_is_exactly_the_workspace() -> None:
     assert top == {
         ".ci",
         ".github",
+        "ARCHITECTURE.md",
         "README.md",
         "integration_tests",
         "packages",
