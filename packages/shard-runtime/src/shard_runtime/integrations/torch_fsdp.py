@@ -53,8 +53,10 @@ __all__ = [
 # 2. Modules of known frameworks (KNOWN_FRAMEWORKS) that bound one of those
 #    objects at import time, under any name (torchtitan's
 #    ``models/llama3/infra/parallelize.py`` and ``components/ft/manager.py``
-#    import FSDPModule and fully_shard at the top): rebound the same way, so
-#    calling before or after importing the framework is the same.
+#    import FSDPModule and fully_shard at the top; transformers'
+#    ``distributed/fsdp.py`` imports fully_shard and the policies when torch
+#    distributed is available): rebound the same way, so calling before or
+#    after importing the framework is the same.
 # 3. Any other module that bound one of those objects at import time (user
 #    code, another library) cannot be rebound safely: it may hold PyTorch's
 #    FSDP on purpose, as a reference. It is reported, naming the module and
@@ -99,6 +101,7 @@ KNOWN_FRAMEWORKS: tuple[str, ...] = (
     "lightning_fabric",
     "pytorch_lightning",
     "accelerate",
+    "transformers",
 )
 
 # Public names of torch.distributed.fsdp with a counterpart in shard_runtime
