@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from shard_core.device import MEMORY_STAT_KEYS, TorchDeviceHandle
 from shard_core.errors import DeviceMismatchError, DeviceUnavailableError
 from shard_core.protocols import DeviceHandle, EventLike, StreamLike
 from shard_device_accel._stream import AcceleratorEvent, AcceleratorStream, raw_stream
@@ -62,22 +63,6 @@ ACCELERATOR_TYPES: Mapping[str, AcceleratorType] = {
 }
 """The accelerator types this plugin serves. ``cpu`` and ``cuda`` are never among them."""
 
-MEMORY_STAT_KEYS: Mapping[str, str] = {
-    "allocated": "allocated_bytes.all.current",
-    "peak_allocated": "allocated_bytes.all.peak",
-    "reserved": "reserved_bytes.all.current",
-    "peak_reserved": "reserved_bytes.all.peak",
-    "active": "active_bytes.all.current",
-    "peak_active": "active_bytes.all.peak",
-    "num_alloc_retries": "num_alloc_retries",
-    "num_ooms": "num_ooms",
-}
-"""Our statistic names and the keys of ``torch.accelerator.memory_stats``.
-
-Values are bytes, except the two ``num_`` counts. A key the device's
-allocator does not report reads 0.
-"""
-
 
 def accelerator_handle(device_type: str) -> AcceleratorDeviceHandle | None:
     """A handle for ``device_type`` when that accelerator is present, else ``None``."""
@@ -93,15 +78,18 @@ def accelerator_handle(device_type: str) -> AcceleratorDeviceHandle | None:
     return None
 
 
-class AcceleratorDeviceHandle:
+class AcceleratorDeviceHandle(TorchDeviceHandle):
     """A :class:`~shard_core.protocols.DeviceHandle` for one type of :data:`ACCELERATOR_TYPES`.
 
     Streams and events are :class:`AcceleratorStream` and
     :class:`AcceleratorEvent` over ``torch.Stream`` and ``torch.Event``; stream
     priorities follow torch (0 is the default, negative runs first). Memory
     statistics come from ``torch.accelerator.memory_stats`` where the
-    installed torch has it (:data:`MEMORY_STAT_KEYS`).
+    installed torch has it (:data:`MEMORY_STAT_KEYS`). Device checks and
+    statistics are shard-core's (:class:`~shard_core.device.TorchDeviceHandle`).
     """
+
+    _visibility = "the device visibility settings"
 
     def __init__(self, device_type: str) -> None:
         if device_type not in ACCELERATOR_TYPES:
@@ -110,6 +98,7 @@ class AcceleratorDeviceHandle:
                 "cpu is built into shard-core and cuda comes from shard-device-cuda"
             )
         self._device_type = device_type
+        self._device_label = device_type
         self._type = ACCELERATOR_TYPES[device_type]
 
     @property
@@ -135,30 +124,6 @@ class AcceleratorDeviceHandle:
         self._require("find the current device")
         return torch.device(self._device_type, torch.accelerator.current_device_index())
 
-    def set_device(self, device: torch.device | int) -> None:
-        """Make ``device`` current; a ``torch.device`` with no index keeps the current one."""
-        if isinstance(device, torch.device):
-            if device.type != self._device_type:
-                raise DeviceMismatchError(
-                    f"{self._device_type}: cannot set device {device}: it is not a "
-                    f"{self._device_type} device; pass torch.device({self._device_type!r}, "
-                    "index) or an index"
-                )
-            index = cast("int | None", device.index)  # None at runtime, typed int
-        else:
-            index = device
-        self._require(f"set device {device}")
-        if index is None:
-            return
-        count = torch.accelerator.device_count()
-        if not 0 <= index < count:
-            raise DeviceMismatchError(
-                f"{self._device_type}: device index {index} is out of range: this process sees "
-                f"{count} {self._device_type} device(s), indices 0 to {count - 1}; "
-                "check LOCAL_RANK and the device visibility settings"
-            )
-        torch.accelerator.set_device_index(index)
-
     def new_stream(self, priority: int = 0) -> AcceleratorStream:
         self._require("create a stream")
         if not self._type.multi_stream:
@@ -180,27 +145,29 @@ class AcceleratorDeviceHandle:
         device = torch.device(self._device_type, torch.accelerator.current_device_index())
         return AcceleratorEvent(torch.Event(device=device))
 
-    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
-        if tensor.device.type != self._device_type:
-            raise DeviceMismatchError(
-                f"{self._device_type}: cannot record a stream on a tensor on {tensor.device}; "
-                f"record_stream applies to {self._device_type} tensors only"
-            )
-        raw = raw_stream(stream, self._device_type)
-        if self._type.multi_stream:
-            tensor.record_stream(raw)
-
     def synchronize(self) -> None:
         self._require("synchronize")
         torch.accelerator.synchronize()
 
-    def memory_stats(self) -> dict[str, int]:
-        read = self._memory_function("memory_stats", "read memory statistics")
-        stats: Mapping[str, Any] = read()
-        return {ours: int(stats.get(key, 0)) for ours, key in MEMORY_STAT_KEYS.items()}
-
     def reset_peak_memory_stats(self) -> None:
         self._memory_function("reset_peak_memory_stats", "reset peak memory statistics")()
+
+    def _device_count(self) -> int:
+        return torch.accelerator.device_count()
+
+    def _set_device_index(self, index: int) -> None:
+        torch.accelerator.set_device_index(index)
+
+    def _unwrap_stream(self, stream: object) -> torch.Stream:
+        return raw_stream(stream, self._device_type)
+
+    def _records_streams(self) -> bool:
+        return self._type.multi_stream
+
+    def _raw_memory_stats(self) -> Mapping[str, Any]:
+        read = self._memory_function("memory_stats", "read memory statistics")
+        stats: Mapping[str, Any] = read()
+        return stats
 
     def _memory_function(self, name: str, action: str) -> Callable[[], Any]:
         self._require(action)

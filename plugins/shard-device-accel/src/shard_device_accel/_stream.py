@@ -2,87 +2,56 @@
 
 ``torch.Stream`` and ``torch.Event`` are torch's generic classes for every
 accelerator (each device type plugs its own runtime in underneath). Their
-methods take torch's own classes, so these wrappers accept any stream or
-event a handle of the same device type produced and unwrap it; ``raw`` is the
-torch object for calls that need it.
+methods take torch's own classes, so these wrappers (shard-core's
+:class:`~shard_core.device.TorchStream` and :class:`~shard_core.device.TorchEvent`)
+accept any stream or event a handle of the same device type produced and
+unwrap it; ``raw`` is the torch object for calls that need it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shard_core.device import TorchEvent, TorchStream
 from shard_core.errors import DeviceMismatchError
-from shard_core.protocols import EventLike, StreamLike
 
 __all__ = ["AcceleratorEvent", "AcceleratorStream", "raw_event", "raw_stream"]
 
 
-class AcceleratorStream:
+class AcceleratorStream(TorchStream["AcceleratorEvent"]):
     """A ``StreamLike`` over one ``torch.Stream``; equal when the streams are."""
 
-    __slots__ = ("raw",)
+    __slots__ = ()
 
-    def __init__(self, raw: torch.Stream) -> None:
-        self.raw = raw
-
-    def __repr__(self) -> str:
-        return f"AcceleratorStream({self.raw!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, AcceleratorStream):
-            return bool(self.raw == other.raw)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.raw)
+    raw: torch.Stream
 
     @property
     def device_type(self) -> str:
         return str(self.raw.device.type)
 
-    def wait_stream(self, stream: StreamLike) -> None:
-        self.raw.wait_stream(raw_stream(stream, self.device_type))
+    def _unwrap_stream(self, stream: object) -> torch.Stream:
+        return raw_stream(stream, self.device_type)
 
-    def wait_event(self, event: EventLike) -> None:
-        self.raw.wait_event(raw_event(event, self.device_type))
+    def _unwrap_event(self, event: object) -> AcceleratorEvent:
+        return _as_event(event, self.device_type)
 
-    def record_event(self, event: EventLike | None = None) -> AcceleratorEvent:
-        if event is None:
-            return AcceleratorEvent(self.raw.record_event())
-        recorded = _as_event(event, self.device_type)
-        recorded.raw.record(self.raw)
-        return recorded
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
+    def _record_new_event(self) -> AcceleratorEvent:
+        return AcceleratorEvent(self.raw.record_event())
 
 
-class AcceleratorEvent:
+class AcceleratorEvent(TorchEvent):
     """An ``EventLike`` over one ``torch.Event``."""
 
-    __slots__ = ("raw",)
+    __slots__ = ()
 
-    def __init__(self, raw: torch.Event) -> None:
-        self.raw = raw
-
-    def __repr__(self) -> str:
-        return f"AcceleratorEvent({self.raw!r})"
+    raw: torch.Event
 
     @property
     def device_type(self) -> str:
         return str(self.raw.device.type)
 
-    def record(self, stream: StreamLike | None = None) -> None:
-        self.raw.record(None if stream is None else raw_stream(stream, self.device_type))
-
-    def wait(self, stream: StreamLike | None = None) -> None:
-        self.raw.wait(None if stream is None else raw_stream(stream, self.device_type))
-
-    def query(self) -> bool:
-        return bool(self.raw.query())
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
+    def _unwrap_stream(self, stream: object) -> torch.Stream:
+        return raw_stream(stream, self.device_type)
 
 
 def raw_stream(stream: object, device_type: str) -> torch.Stream:

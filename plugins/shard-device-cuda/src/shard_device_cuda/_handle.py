@@ -12,41 +12,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shard_core.errors import DeviceMismatchError, DeviceUnavailableError
+from shard_core.device import MEMORY_STAT_KEYS, TorchDeviceHandle
+from shard_core.errors import DeviceUnavailableError
 from shard_core.protocols import DeviceHandle, EventLike, StreamLike
 from shard_device_cuda._stream import CudaEvent, CudaStream, new_cuda_event, raw_stream
 
 __all__ = ["MEMORY_STAT_KEYS", "CudaDeviceHandle"]
 
-MEMORY_STAT_KEYS: Mapping[str, str] = {
-    "allocated": "allocated_bytes.all.current",
-    "peak_allocated": "allocated_bytes.all.peak",
-    "reserved": "reserved_bytes.all.current",
-    "peak_reserved": "reserved_bytes.all.peak",
-    "active": "active_bytes.all.current",
-    "peak_active": "active_bytes.all.peak",
-    "num_alloc_retries": "num_alloc_retries",
-    "num_ooms": "num_ooms",
-}
-"""Our statistic names and the caching-allocator keys of ``torch.cuda.memory_stats``.
 
-Values are bytes, except the two ``num_`` counts (allocator retries after
-freeing its cache, and out-of-memory errors).
-"""
-
-
-class CudaDeviceHandle:
+class CudaDeviceHandle(TorchDeviceHandle):
     """A :class:`~shard_core.protocols.DeviceHandle` for ``"cuda"`` through ``torch.cuda``.
 
     Streams and events are :class:`CudaStream` and :class:`CudaEvent`
     wrappers; stream priorities are CUDA's (0 is the default, negative runs
     first, values out of range are clamped by CUDA). Memory statistics come
     from the caching allocator of the current device (:data:`MEMORY_STAT_KEYS`).
+    Device checks and statistics are shard-core's
+    (:class:`~shard_core.device.TorchDeviceHandle`).
     """
+
+    _device_label = "CUDA"
+    _visibility = "CUDA_VISIBLE_DEVICES"
 
     @property
     def device_type(self) -> str:
@@ -69,28 +59,6 @@ class CudaDeviceHandle:
         self._require("find the current device")
         return torch.device("cuda", torch.cuda.current_device())
 
-    def set_device(self, device: torch.device | int) -> None:
-        """Make ``device`` current; ``torch.device("cuda")`` with no index keeps the current one."""
-        if isinstance(device, torch.device):
-            if device.type != "cuda":
-                raise DeviceMismatchError(
-                    f"cuda: cannot set device {device}: it is not a CUDA device; "
-                    "pass torch.device('cuda', index) or an index"
-                )
-            index = cast("int | None", device.index)  # None at runtime, typed int
-        else:
-            index = device
-        self._require(f"set device {device}")
-        if index is None:
-            return
-        count = torch.cuda.device_count()
-        if not 0 <= index < count:
-            raise DeviceMismatchError(
-                f"cuda: device index {index} is out of range: this process sees {count} CUDA "
-                f"device(s), indices 0 to {count - 1}; check LOCAL_RANK and CUDA_VISIBLE_DEVICES"
-            )
-        torch.cuda.set_device(index)
-
     def new_stream(self, priority: int = 0) -> CudaStream:
         self._require("create a stream")
         return CudaStream(torch.cuda.Stream(priority=priority))  # type: ignore[no-untyped-call]
@@ -108,26 +76,26 @@ class CudaDeviceHandle:
         self._require("create an event")
         return new_cuda_event()
 
-    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
-        if tensor.device.type != "cuda":
-            raise DeviceMismatchError(
-                f"cuda: cannot record a stream on a tensor on {tensor.device}; "
-                "record_stream applies to CUDA tensors only"
-            )
-        tensor.record_stream(raw_stream(stream))
-
     def synchronize(self) -> None:
         self._require("synchronize")
         torch.cuda.synchronize()
 
-    def memory_stats(self) -> dict[str, int]:
-        self._require("read memory statistics")
-        stats = torch.cuda.memory_stats()
-        return {ours: int(stats.get(key, 0)) for ours, key in MEMORY_STAT_KEYS.items()}
-
     def reset_peak_memory_stats(self) -> None:
         self._require("reset peak memory statistics")
         torch.cuda.reset_peak_memory_stats()
+
+    def _device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def _set_device_index(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def _unwrap_stream(self, stream: object) -> torch.cuda.Stream:
+        return raw_stream(stream)
+
+    def _raw_memory_stats(self) -> Mapping[str, Any]:
+        self._require("read memory statistics")
+        return torch.cuda.memory_stats()
 
     def _require(self, action: str) -> None:
         if torch.cuda.is_available():

@@ -2,82 +2,56 @@
 
 ``torch.cuda.Stream`` and ``torch.cuda.Event`` already have the protocols'
 methods, but their arguments are typed as torch's own classes, so they do not
-accept an arbitrary ``StreamLike``. These thin wrappers take any stream or
-event this handle produced (or a raw torch one) and unwrap it; ``raw`` is the
-torch object for the calls that need it (``torch.cuda.stream``, collectives).
+accept an arbitrary ``StreamLike``. These thin wrappers (shard-core's
+:class:`~shard_core.device.TorchStream` and :class:`~shard_core.device.TorchEvent`)
+take any stream or event this handle produced (or a raw torch one) and unwrap
+it; ``raw`` is the torch object for the calls that need it
+(``torch.cuda.stream``, collectives).
 """
 
 from __future__ import annotations
 
 import torch
 
+from shard_core.device import TorchEvent, TorchStream
 from shard_core.errors import DeviceMismatchError
-from shard_core.protocols import EventLike, StreamLike
 
 __all__ = ["CudaEvent", "CudaStream", "new_cuda_event", "raw_event", "raw_stream"]
 
 
-class CudaStream:
+class CudaStream(TorchStream["CudaEvent"]):
     """A ``StreamLike`` over one ``torch.cuda.Stream``; equal when the streams are."""
 
-    __slots__ = ("raw",)
+    __slots__ = ()
 
-    def __init__(self, raw: torch.cuda.Stream) -> None:
-        self.raw = raw
-
-    def __repr__(self) -> str:
-        return f"CudaStream({self.raw!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, CudaStream):
-            return bool(self.raw == other.raw)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.raw)
+    raw: torch.cuda.Stream
 
     @property
     def priority(self) -> int:
         """The stream's priority as CUDA clamped it (lower runs first)."""
         return int(self.raw.priority)
 
-    def wait_stream(self, stream: StreamLike) -> None:
-        self.raw.wait_stream(raw_stream(stream))
+    def _unwrap_stream(self, stream: object) -> torch.cuda.Stream:
+        return raw_stream(stream)
 
-    def wait_event(self, event: EventLike) -> None:
-        self.raw.wait_event(raw_event(event))
+    def _unwrap_event(self, event: object) -> CudaEvent:
+        return _as_cuda_event(event)
 
-    def record_event(self, event: EventLike | None = None) -> CudaEvent:
-        recorded = new_cuda_event() if event is None else _as_cuda_event(event)
+    def _record_new_event(self) -> CudaEvent:
+        recorded = new_cuda_event()
         recorded.raw.record(self.raw)
         return recorded
 
-    def synchronize(self) -> None:
-        self.raw.synchronize()
 
-
-class CudaEvent:
+class CudaEvent(TorchEvent):
     """An ``EventLike`` over one ``torch.cuda.Event``."""
 
-    __slots__ = ("raw",)
+    __slots__ = ()
 
-    def __init__(self, raw: torch.cuda.Event) -> None:
-        self.raw = raw
+    raw: torch.cuda.Event
 
-    def __repr__(self) -> str:
-        return f"CudaEvent({self.raw!r})"
-
-    def record(self, stream: StreamLike | None = None) -> None:
-        self.raw.record(None if stream is None else raw_stream(stream))
-
-    def wait(self, stream: StreamLike | None = None) -> None:
-        self.raw.wait(None if stream is None else raw_stream(stream))
-
-    def query(self) -> bool:
-        return bool(self.raw.query())  # type: ignore[no-untyped-call]
-
-    def synchronize(self) -> None:
-        self.raw.synchronize()
+    def _unwrap_stream(self, stream: object) -> torch.cuda.Stream:
+        return raw_stream(stream)
 
 
 def new_cuda_event() -> CudaEvent:
