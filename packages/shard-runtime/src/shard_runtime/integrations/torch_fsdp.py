@@ -191,11 +191,17 @@ class _Patch:
         torch_wrap = sys.modules["torch.distributed.fsdp.wrap"]
         pairs = [(torch_fsdp, shard_runtime, n) for n in _FSDP_NAMES]
         pairs += [(torch_wrap, shard_runtime.wrap, n) for n in _WRAP_NAMES]
+        to_shard: dict[int, tuple[object, object, str]] = {}
+        to_torch: dict[int, object] = {}
         for torch_module, shard_module, name in pairs:
-            original = getattr(torch_module, name)
+            # A name another torch release lacks is simply not rebound.
+            original = getattr(torch_module, name, None)
+            if original is None:
+                continue
             replacement = getattr(shard_module, name)
-            self.to_shard[id(original)] = (original, replacement, name)
-            self.to_torch[id(replacement)] = original
+            to_shard[id(original)] = (original, replacement, name)
+            to_torch[id(replacement)] = original
+        self.to_shard, self.to_torch = to_shard, to_torch
 
     def rebind(self, module: types.ModuleType) -> None:
         """Set every attribute of ``module`` holding a PyTorch FSDP object to shard's."""
