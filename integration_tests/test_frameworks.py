@@ -93,7 +93,9 @@ def test_fabric_model_parallel(tmp_path: Path) -> None:
         assert [s["reductions"] for s in run["steps"] + run["resumed"]] == [[0, UNITS]] * (
             STEPS + STEPS - HALF
         )
-        # fabric.load into a fresh model and optimizer continues exactly where training went on.
+        # fabric.load into a fresh model (built on the meta device) and optimizer continues
+        # exactly where training went on.
+        assert run["resumed_on_meta"]
         assert run["resumed"] == run["steps"][HALF:]
 
 

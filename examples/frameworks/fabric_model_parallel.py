@@ -8,7 +8,8 @@ Run on two CPU ranks (gloo)::
 script after ``use_shard_for_torch_fsdp()`` (the only change); ``--impl both``
 one after the other. Each step accumulates two micro-batches, the first under
 ``fabric.no_backward_sync``; halfway the run saves a checkpoint with
-``fabric.save``, and a fresh model and optimizer resume from it with
+``fabric.save``, and a fresh model (built on the meta device,
+``fabric.init_module(empty_init=True)``) and optimizer resume from it with
 ``fabric.load``. Rank 0 prints (and ``--out`` writes) per step: the two
 micro-batch losses, the gradient reductions each backward dispatched, and the
 losses of the resumed run.
@@ -43,10 +44,18 @@ def parallelize(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def setup(fabric: Fabric) -> tuple[Any, Any]:
-    model = fabric.setup_module(_common.build_model())
+def setup(fabric: Fabric, *, empty_init: bool = False) -> tuple[Any, Any, bool]:
+    """Model, optimizer, and whether the model was built on the meta device.
+
+    With ``empty_init`` Fabric builds the model on the meta device and
+    materializes it after ``parallelize_fn`` sharded it.
+    """
+    with fabric.init_module(empty_init=empty_init):
+        model = _common.build_model()
+    on_meta = all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    return model, optimizer
+    return model, optimizer, on_meta
 
 
 def train_steps(
@@ -83,13 +92,14 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
     if fabric.global_rank == 0:
         shutil.rmtree(checkpoint, ignore_errors=True)
     fabric.barrier()
-    model, optimizer = setup(fabric)
+    model, optimizer, _ = setup(fabric)
     half = steps // 2
     records = train_steps(fabric, model, optimizer, 0, half)
     fabric.save(checkpoint, {"model": model, "optimizer": optimizer, "step": half})
     records += train_steps(fabric, model, optimizer, half, steps)
 
-    model, optimizer = setup(fabric)
+    # Resume into a model built on the meta device: fabric.load fills every shard.
+    model, optimizer, resumed_on_meta = setup(fabric, empty_init=True)
     state: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(checkpoint, state)
     resumed = train_steps(fabric, model, optimizer, state["step"], steps)
@@ -99,6 +109,7 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
         "sharded_by_selected": isinstance(model.module, torch_fsdp.FSDPModule),
         "steps": records,
         "resumed": resumed,
+        "resumed_on_meta": resumed_on_meta,
     }
 
 
