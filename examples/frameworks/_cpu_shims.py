@@ -7,8 +7,9 @@ does any of this.
 - accelerate picks its FSDP path only for accelerators (CUDA, XPU, NPU, ...);
   on CPU ranks it falls back to DDP even when given a
   ``FullyShardedDataParallelPlugin``. :func:`force_accelerate_fsdp` sets the
-  shared ``PartialState`` and ``AcceleratorState`` to FSDP after the ``Accelerator`` is built, so
-  ``prepare`` takes the same ``fully_shard`` path it takes on GPUs.
+  shared ``PartialState`` and ``AcceleratorState`` to FSDP once the
+  ``Accelerator`` is built, so ``prepare`` takes the ``fully_shard`` path it
+  takes on GPUs.
 - torchtitan imports triton at import time (``models/moe/kernels.py``, its
   MoE token-permutation kernels) and triton, a GPU compiler, is not installed
   on CPU machines. :func:`stub_torchtitan_moe_kernels` registers that one
