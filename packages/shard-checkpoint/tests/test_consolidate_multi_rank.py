@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from shard_checkpoint import (
     CheckpointError,
@@ -29,17 +28,13 @@ from shard_checkpoint import (
 from shard_checkpoint._safetensors import read_safetensors
 from shard_runtime import fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ToyNet, toy_batches
+from shard_testing.models import sharded_toy_net, toy_batches
 
 FULL = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
 
 
 def _train_and_save(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = ToyNet()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_toy_net(fully_shard)
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
     (x, y) = toy_batches(dist.get_world_size(), steps=1)[0][0][dist.get_rank()]
     nn.functional.mse_loss(model(x), y).backward()

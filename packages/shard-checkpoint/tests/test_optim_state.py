@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from shard_checkpoint import (
     StateDictOptions,
@@ -31,7 +30,7 @@ from shard_checkpoint import (
 )
 from shard_runtime import fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ToyNet
+from shard_testing.models import ToyNet, sharded_toy_net
 from shard_testing.resume import (
     STEPS,
     Result,
@@ -43,15 +42,7 @@ FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _build(*, zeroed: bool = False) -> tuple[ToyNet, torch.optim.Optimizer]:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = ToyNet()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if zeroed:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.zero_()
+    model = sharded_toy_net(fully_shard, zeroed=zeroed)
     return model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 

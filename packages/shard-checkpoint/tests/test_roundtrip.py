@@ -29,7 +29,7 @@ from shard_checkpoint import (
 )
 from shard_runtime import MixedPrecisionPolicy, fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ToyNet, toy_batches
+from shard_testing.models import ToyNet, sharded_toy_net, toy_batches
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -42,16 +42,7 @@ def _mesh(hybrid: bool) -> DeviceMesh:
 
 
 def _sharded_model(*, hybrid: bool = False, zeroed: bool = False) -> ToyNet:
-    mesh = _mesh(hybrid)
-    model = ToyNet()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if zeroed:
-        with torch.no_grad():
-            for param in model.parameters():
-                param.zero_()
-    return model
+    return sharded_toy_net(fully_shard, mesh=_mesh(hybrid), zeroed=zeroed)
 
 
 def _trained_model(*, hybrid: bool = False) -> ToyNet:

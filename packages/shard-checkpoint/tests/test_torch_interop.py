@@ -38,7 +38,7 @@ import shard_checkpoint as sc
 from shard_runtime import FullyShardedDataParallel as FSDP
 from shard_runtime import ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ResidualBlock, ToyNet, toy_batches
+from shard_testing.models import ResidualBlock, ToyNet, sharded_toy_net, toy_batches
 
 Full = dict[str, torch.Tensor]
 
@@ -46,14 +46,12 @@ Full = dict[str, torch.Tensor]
 def _build(side: str, *, zeroed: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``side``: "torch" (PyTorch's fully_shard), "fully_shard" or "wrapper" (shard's)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model: nn.Module = ToyNet()
+    model: nn.Module
     if side == "wrapper":
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}), device_mesh=mesh)
+        model = FSDP(ToyNet(), auto_wrap_policy=ModuleWrapPolicy({ResidualBlock}), device_mesh=mesh)
     else:
         shard = torch_fully_shard if side == "torch" else fully_shard
-        for block in model.blocks:  # type: ignore[union-attr]
-            shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
+        model = sharded_toy_net(shard, mesh=mesh)
     if zeroed:
         with torch.no_grad(), FSDP.summon_full_params(model):
             for param in model.parameters():

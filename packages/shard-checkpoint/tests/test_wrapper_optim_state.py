@@ -48,7 +48,7 @@ from shard_runtime import (
 )
 from shard_runtime import FullyShardedDataParallel as FSDP
 from shard_testing import RankPool
-from shard_testing.models import DIM_OUT, ResidualBlock, ToyNet
+from shard_testing.models import DIM_OUT, ResidualBlock, ToyNet, sharded_toy_net
 from shard_testing.resume import (
     STEPS,
     Result,
@@ -85,10 +85,7 @@ def _build(recipe: str, *, zeroed: bool = False) -> tuple[nn.Module, torch.optim
             device_mesh=init_device_mesh("cpu", (2, world // 2)),
         )
     elif recipe == "fully_shard":
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = sharded_toy_net(fully_shard)
     elif recipe == "mixed":
         blocks = model.blocks  # type: ignore[union-attr]
         for i in range(len(blocks)):

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from shard_checkpoint import (
     StateDictOptions,
@@ -19,7 +18,7 @@ from shard_checkpoint import (
 )
 from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ResidualBlock, ToyNet
+from shard_testing.models import ResidualBlock, ToyNet, sharded_toy_net
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -33,12 +32,7 @@ def _wrapper(seed: int, use_orig_params: bool) -> FullyShardedDataParallel:
 
 
 def _fully_sharded(seed: int) -> ToyNet:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = ToyNet(seed=seed)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return sharded_toy_net(fully_shard, seed=seed)
 
 
 def _round_trip(root: str, use_orig_params: bool) -> dict[str, Any]:

@@ -7,8 +7,14 @@ bugs hide.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DIM_IN",
@@ -17,6 +23,7 @@ __all__ = [
     "LinearStack",
     "ResidualBlock",
     "ToyNet",
+    "sharded_toy_net",
     "toy_batches",
 ]
 
@@ -52,6 +59,40 @@ class ToyNet(nn.Module):
             h = block(h)
         out: torch.Tensor = self.head(h)
         return out
+
+
+def sharded_toy_net(
+    shard: Callable[..., object],
+    *,
+    mesh: DeviceMesh | None = None,
+    blocks: int = 3,
+    seed: int = 0,
+    zeroed: bool = False,
+) -> ToyNet:
+    """``ToyNet(blocks, seed=seed)`` with ``shard`` applied to each block, then to the root.
+
+    The layout most multi-rank tests want: one unit per residual block and
+    the root's own parameters (embedding, head) in the root unit. shard-testing
+    sits below shard-runtime, so the caller passes the sharding function:
+    ``shard_runtime.fully_shard``, or PyTorch's ``fully_shard`` as the
+    reference; each is called as ``shard(module, mesh=mesh)``. ``mesh``
+    defaults to a 1-D CPU mesh over the whole world (a process group must
+    exist). ``zeroed`` zeroes every parameter after sharding (each rank its
+    shard), so that a value a later load fails to write shows.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mesh is None:
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    model = ToyNet(blocks, seed=seed)
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    if zeroed:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+    return model
 
 
 def toy_batches(
