@@ -50,6 +50,25 @@ def test_plan_prints_a_tree_and_a_table(capsys: pytest.CaptureFixture[str]) -> N
     assert "  peak (estimate)" in out
 
 
+def test_plan_shows_both_layouts_and_flat_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """The layout table: dim-0, flat and wrapper against full/N; --flat changes the columns."""
+    args = ["plan", "--preset", "gpt2-xl", "--world-size", "1024", "--strategy", "full"]
+    assert main([*args, "--json"]) == 0
+    dim0 = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "--flat"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert dim0["layouts"] == flat["layouts"]
+    assert dim0["strategies"]["full"]["params"] == dim0["layouts"]["dim-0"]["params"]
+    assert flat["strategies"]["full"]["params"] == flat["layouts"]["flat"]["params"]
+    assert (flat["flat"], dim0["flat"]) == (True, False)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert (
+        "per-rank state by layout (full, 1024 ranks; ideal = 1 process / 1024 = 24.4 MiB):" in out
+    )
+    assert "  ratio to ideal                     1.1581x       1.0002x       1.0000x" in out
+
+
 def test_plan_of_a_factory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,11 +12,16 @@ Per rank, in bytes, counted like ``shard train`` measures them (see
 [Note: what a rank holds] in ``_measure.py``):
 
 - parameters: ``fully_shard`` keeps each parameter's padded dim-0 shard
-  (``ceil(dim0 / s)`` rows); the wrapper keeps ``ceil(numel / s)`` elements
-  of each unit's flat buffer (``s``: the shard group size, 1 for no-shard).
+  (``ceil(dim0 / s)`` rows); with ``flat_shard_placement`` (``flat``), a
+  matrix whose dim 0 does not divide by ``s`` keeps ``ceil(numel / s)``
+  elements of its flattened storage instead (the rule is
+  ``shard_runtime``'s ``is_flat_layout``); the wrapper keeps
+  ``ceil(numel / s)`` elements of each unit's flat buffer (``s``: the shard
+  group size, 1 for no-shard).
 - gradients: one reduce-scatter output per unit, the size of its shards.
 - AdamW: ``exp_avg`` and ``exp_avg_sq`` per parameter in its local
-  (``fully_shard``: unpadded rows of this rank) shape, and a 4-byte ``step``.
+  (``fully_shard``: unpadded rows, or flat elements, of this rank) shape,
+  and a 4-byte ``step``.
 - activations: the tensors autograd saves in forward for backward, per
   unit, counted by running the model's forward on fake tensors (no memory)
   for the given batch and sequence length (``_activations.py``); without an
@@ -63,6 +68,7 @@ from shard_cli._options import Frontend, Precision, Strategy
 from shard_cli._shard import ShardLayout, shard_layout
 from shard_core import FlatLayout, ParamSpec, dim0_chunk_range, padded_dim0_size
 from shard_core.protocols import WrapPolicy
+from shard_runtime._flat_shard import is_flat_layout
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
 
 __all__ = [
@@ -161,6 +167,8 @@ class PlanConfig:
         cpu_offload: Shards, gradients and optimizer state on the CPU.
         prefetch: Units gathered ahead of the one computing (the runtime's
             backward prefetch: 1).
+        flat: ``fully_shard`` with ``shard_placement_fn=flat_shard_placement``
+            (ignored by the wrapper, whose units are flat already).
     """
 
     frontend: Frontend = "fully_shard"
@@ -170,6 +178,7 @@ class PlanConfig:
     precision: Precision = "fp32"
     cpu_offload: bool = False
     prefetch: int = 1
+    flat: bool = False
 
     def layout(self) -> ShardLayout:
         """The replicate x shard split of the ranks."""
@@ -206,10 +215,15 @@ class MemoryEstimate:
         return self.params + self.grads + self.optim
 
 
-def _rows(spec: ParamSpec) -> tuple[int, int]:
-    """(dim 0, elements per dim-0 row) of a parameter; a 0-d one is one row of one."""
+def _rows(spec: ParamSpec, shard: int, flat: bool) -> tuple[int, int]:
+    """(rows split over ranks, elements per row) of a parameter as ``fully_shard`` splits it.
+
+    A 0-d parameter is one row of one; a flat-sharded one is ``numel`` rows of one.
+    """
     if not spec.shape:
         return 1, 1
+    if flat and is_flat_layout(spec.shape, shard):
+        return spec.numel, 1
     return spec.shape[0], math.prod(spec.shape[1:])
 
 
@@ -253,7 +267,7 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
         )
     sizes = {"params": 0, "grads": 0, "optim": 0, "unsharded": 0, "full_grads": 0}
     for spec in unit.params:
-        dim0, row = _rows(spec)
+        dim0, row = _rows(spec, shard, config.flat)
         padded = padded_dim0_size(dim0, shard) * row
         sizes["params"] += padded * e
         sizes["unsharded"] += shard * padded * ec

@@ -34,7 +34,14 @@ from shard_cli._report import format_bytes
 from shard_cli._shard import compute_dtype, resolve_policy
 from shard_core.errors import ShardError
 
-__all__ = ["ModelSource", "add_plan_parser", "load_model_source", "plan_report", "run_plan"]
+__all__ = [
+    "ModelSource",
+    "add_plan_parser",
+    "layout_comparison",
+    "load_model_source",
+    "plan_report",
+    "run_plan",
+]
 
 
 # ---------------------------------------------------------------------- report
@@ -111,6 +118,7 @@ def plan_report(
     batch: int | None,
     seq: int | None,
     rank: int,
+    flat: bool = False,
 ) -> dict[str, Any]:
     """Everything ``shard plan`` prints, as a JSON-able dict (see :func:`format_plan`)."""
     policy_name = source.default_policy if wrap_policy == "auto" else wrap_policy
@@ -163,9 +171,11 @@ def plan_report(
             shard_size=hybrid if strategy == "hybrid" else None,
             precision=precision,
             cpu_offload=cpu_offload,
+            flat=flat,
         )
         columns[strategy] = estimate_memory(units, config, activations=activations, rank=rank)
     alone = unsharded_memory(units, activations=single)
+    layouts = layout_comparison(units, world=world, precision=precision, rank=rank)
     return {
         "model": source.description,
         "parameters": sum(u.numel for u in units),
@@ -175,6 +185,7 @@ def plan_report(
         "cpu_offload": cpu_offload,
         "world_size": world,
         "rank": rank,
+        "flat": flat,
         "hybrid_shard_size": hybrid,
         "batch": batch if activations else None,
         "seq": seq if activations else None,
@@ -195,7 +206,42 @@ def plan_report(
             for name, e in columns.items()
         },
         "unsharded": {k: v for k, v in asdict(alone).items() if k != "config"},
+        "layouts": layouts,
     }
+
+
+_LAYOUTS: tuple[tuple[str, Frontend, bool], ...] = (
+    ("dim-0", "fully_shard", False),
+    ("flat", "fully_shard", True),
+    ("wrapper", "wrapper", False),
+)
+"""The per-rank layouts compared: ``fully_shard``'s default, with
+``flat_shard_placement``, and the wrapper's flat units."""
+
+
+def layout_comparison(
+    units: Sequence[UnitPlan], *, world: int, precision: Precision = "fp32", rank: int = 0
+) -> dict[str, Any]:
+    """Parameters + gradients + AdamW state per rank for each layout, fully sharded over ``world``.
+
+    ``ideal`` is one process's state divided by ``world``; each layout's
+    ``ratio`` is its state over that (1.0: nothing wasted on padding).
+    """
+    ideal = unsharded_memory(units).state / world
+    result: dict[str, Any] = {"ideal": ideal}
+    for name, frontend, flat in _LAYOUTS:
+        config = PlanConfig(
+            frontend=frontend, strategy="full", world=world, precision=precision, flat=flat
+        )
+        estimate = estimate_memory(units, config, rank=rank)
+        result[name] = {
+            "params": estimate.params,
+            "grads": estimate.grads,
+            "optim": estimate.optim,
+            "state": estimate.state,
+            "ratio": estimate.state / ideal,
+        }
+    return result
 
 
 _ROWS = (
@@ -235,6 +281,18 @@ def format_plan(report: dict[str, Any]) -> list[str]:
         )
     if r["note"]:
         lines.append(f"  ({r['note']})")
+    layouts = r["layouts"]
+    names = [n for n, _, _ in _LAYOUTS]
+    lines += [
+        "",
+        f"per-rank state by layout (full, {r['world_size']} ranks; ideal = 1 process / "
+        f"{r['world_size']} = {format_bytes(round(layouts['ideal']))}):",
+        " " * width + "".join(f"{n:>14}" for n in names),
+        f"  {'params+grads+AdamW':<{width - 2}}"
+        + "".join(f"{format_bytes(layouts[n]['state']):>14}" for n in names),
+        f"  {'ratio to ideal':<{width - 2}}"
+        + "".join(f"{layouts[n]['ratio']:>13.4f}x" for n in names),
+    ]
     return lines
 
 
@@ -276,6 +334,12 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--frontend", choices=FRONTENDS, default="fully_shard")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--cpu-offload", dest="cpu_offload", action="store_true")
+    p.add_argument(
+        "--flat",
+        action="store_true",
+        help="fully_shard with flat_shard_placement (shard matrices on their flattened "
+        "storage) in the strategy columns; the layout table always shows both",
+    )
     p.add_argument(
         "--wrap-policy",
         dest="wrap_policy",
@@ -326,6 +390,7 @@ def run_plan(args: argparse.Namespace) -> int:
             batch=args.batch,
             seq=args.seq,
             rank=args.rank,
+            flat=args.flat,
         )
     except (ValueError, ShardError) as exc:
         print(f"shard plan: {exc}", file=sys.stderr)
