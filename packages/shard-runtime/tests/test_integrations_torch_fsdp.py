@@ -228,4 +228,5 @@ def test_importing_shard_runtime_leaves_torch_fsdp_unimported() -> None:
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
+    # "True True": something shard_runtime imports now imports torch.distributed.fsdp.
     assert result.stdout.split() == ["True", "False"]
