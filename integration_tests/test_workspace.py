@@ -77,7 +77,8 @@ def _allowed(name: str) -> set[str]:
 
 
 def test_top_level_is_exactly_the_workspace() -> None:
-    """The repository holds packages, plugins, integration tests, tools, config, README, CI."""
+    """The repository holds packages, plugins, integration tests, tools, examples, config,
+    README, ARCHITECTURE, LICENSE, CI."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
     listed = subprocess.run(
@@ -88,7 +89,9 @@ def test_top_level_is_exactly_the_workspace() -> None:
         ".ci",
         ".github",
         "ARCHITECTURE.md",
+        "LICENSE",
         "README.md",
+        "examples",
         "integration_tests",
         "packages",
         "plugins",
