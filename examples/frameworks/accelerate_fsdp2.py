@@ -60,6 +60,7 @@ def train(impl: str, steps: int, workdir: Path) -> dict[str, Any]:
         transformer_cls_names_to_wrap=["Block"],
         state_dict_type="SHARDED_STATE_DICT",
     )
+    # accelerate keeps one state per process; --impl both builds a second Accelerator.
     AcceleratorState._reset_state(reset_partial_state=False)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
     _cpu_shims.force_accelerate_fsdp(accelerator, plugin)
