@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shard_cli.__main__ import main
-from shard_cli._blocks import find_blocks, wrap_blocks
+from shard_cli._blocks import check_compiler, find_blocks, wrap_blocks
 from shard_cli._options import RESUMABLE_CHANGES, TrainOptions, resolve_options
 from shard_cli._tensorboard import TENSORBOARD_INSTALL, check_tensorboard
 from shard_cli.gpt import GPT, GPTConfig
@@ -196,3 +196,21 @@ def test_a_model_without_blocks_is_refused() -> None:
         match=r"^--compile: m\(\) has no blocks \(repeated layers\) that shard finds to apply",
     ):
         find_blocks(model, "transformer", what="m()", flags="--compile")
+
+
+def test_compile_without_a_cpu_compiler_is_refused_before_launching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--compile with $CXX not on PATH (and no GPU) exits 2 naming the compiler and the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    with pytest.raises(ValueError, match=r"'no-such-compiler\+\+' \(from \$CXX, default g\+\+\)"):
+        check_compiler()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--compile", "--run-dir", "out"]) == 2
+    assert capsys.readouterr().err == (
+        "shard train: --compile on the CPU needs a C++ compiler for torch.compile, and "
+        "'no-such-compiler++' (from $CXX, default g++) is not on PATH; install one "
+        "(apt-get install g++) or set CXX to it, or drop --compile\n"
+    )
+    assert not (tmp_path / "out").exists()

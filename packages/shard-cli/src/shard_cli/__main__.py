@@ -234,6 +234,10 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
             from shard_cli._tensorboard import check_tensorboard
 
             check_tensorboard()
+        if options.compile:
+            from shard_cli._blocks import check_compiler
+
+            check_compiler()
     except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         print(f"shard train: {exc}", file=sys.stderr)
         return 2

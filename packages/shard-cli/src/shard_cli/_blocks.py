@@ -22,6 +22,9 @@ GPT: each ``Block``; a user's model: each repeated layer the
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +36,29 @@ from shard_cli.gpt import GPT
 from shard_core.errors import ShardError
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
 
-__all__ = ["find_blocks", "wrap_blocks"]
+__all__ = ["check_compiler", "find_blocks", "wrap_blocks"]
+
+
+def check_compiler() -> None:
+    """Fail before training when ``--compile`` cannot build CPU code.
+
+    On the CPU, ``torch.compile`` (Inductor) compiles C++ with ``$CXX``, by
+    default ``g++`` (``clang++`` on macOS), and would otherwise fail inside
+    the first step with a long compiler-search error. GPUs compile with
+    Triton, which needs no C++ compiler named here.
+
+    Raises:
+        ValueError: no CUDA device and no such compiler on ``PATH``.
+    """
+    if torch.cuda.is_available() or sys.platform == "win32":
+        return
+    compiler = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    if shutil.which(compiler) is None:
+        raise ValueError(
+            f"--compile on the CPU needs a C++ compiler for torch.compile, and {compiler!r} "
+            "(from $CXX, default g++) is not on PATH; install one (apt-get install g++) or "
+            "set CXX to it, or drop --compile"
+        )
 
 
 def find_blocks(model: nn.Module, policy: Any, *, what: str, flags: str) -> list[nn.Module]:

@@ -853,6 +853,9 @@ def run_worker(options: TrainOptions) -> int:
             flush=True,
         )
         return 1
+    finally:
+        if run is not None and run.metrics_writer is not None:
+            run.metrics_writer.close()  # the steps logged before a failure stay readable
 
 
 def _first_sentence(exc: BaseException) -> str:
