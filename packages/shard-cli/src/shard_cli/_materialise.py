@@ -16,8 +16,8 @@ each rank keeps its own slice of the result. Nothing depends on the world
 size, on which unit a module is in, or on the order units are visited. A
 parameter that two modules own (tied embeddings: ``lm_head.weight is
 model.embed_tokens.weight``) is one tensor during its unit's pass, so every
-owner's initialisation writes the same tensor, in module order, as it would
-on the unsharded model.
+owner's initialisation writes the same tensor, in the same order, as on the
+unsharded model.
 
 [Note: one unit at a time]
 A unit is a module sharded by ``fully_shard`` together with its descendants
@@ -28,7 +28,10 @@ parent, as ``transformers`` does), copies each rank's slice into the shard
 and puts the sharded parameters back. The full tensors of one unit are all
 that exist beyond the shards, so the peak is one unit's full size, not the
 model's. A model with no sharded module (one process, the reference) is one
-unit and its parameters are the full tensors: nothing is copied.
+unit and its parameters are the full tensors: nothing is copied. This
+relies on a module's initialisation writing only parameters of its own
+unit: its own, and its children's (``transformers``' convention); one that
+wrote another unit's parameter would write a sharded tensor.
 
 [Note: ties survive]
 ``nn.Module._apply`` (what ``to_empty`` runs) replaces a plain parameter
@@ -36,10 +39,6 @@ that changes device by a new ``Parameter`` per owning module, so a tied
 pair would come out as two tensors; a sharded (DTensor) parameter is
 swapped in place and stays one. The owners of each parameter are recorded
 before and tied again after, so both kinds come out as they went in.
-
-This relies on a module's initialisation writing only parameters of its own
-unit: its own, and its children's (``transformers``' convention). A module
-that wrote another unit's parameter would write a sharded tensor.
 """
 
 from __future__ import annotations
@@ -150,14 +149,8 @@ def materialise(
     if left:
         raise ValueError(
             f"tensors still on the meta device after initialisation: {', '.join(left)}; "
-            "the model's initialisation must give every parameter a value"
+            "the model's initialisation must give every parameter and buffer a value"
         )
-
-
-def _post_order(module: nn.Module) -> Iterator[nn.Module]:
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
 
 
 def _units(model: nn.Module) -> list[list[nn.Module]]:
@@ -216,9 +209,9 @@ def _initialise_unit(
             module._parameters[name] = param
     for key, param in sharded.items():
         local = param.to_local()
-        mine = distribute_tensor(
-            full[key].detach(), param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
+        whole = full.pop(key).detach()  # dropped once its slice is copied
+        slices = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+        mine = slices.to_local()
         if mine.shape != local.shape:
             raise ValueError(
                 f"parameter {fqns[key]!r}: the slice of the full "

@@ -82,7 +82,13 @@ from shard_cli._blocks import find_blocks, wrap_blocks
 from shard_cli._checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
-from shard_cli._model_source import ModelSource, load_model_source, logits_from
+from shard_cli._model_source import (
+    ModelSource,
+    build_for_training,
+    load_model_source,
+    logits_from,
+    materialise_sharded,
+)
 from shard_cli._options import TrainOptions
 from shard_cli._plan import (
     MemoryEstimate,
@@ -383,7 +389,14 @@ class _Run:
             self.source = gpt_source(self.config, options.preset)
         self._check_vocab()
         torch.manual_seed(options.seed)
-        model = self.source.build()
+        # A transformers model starts on the meta device, filled shard by shard after
+        # fully_shard (_materialise.py); other models are built as their constructor makes them.
+        model = build_for_training(
+            self.source,
+            sharded_later=options.frontend == "fully_shard",
+            device=self.device,
+            seed=options.seed,
+        )
         self.vocab_size = self._model_vocab(model)
         self.policy = wrap_policy_name(options, self.source)
         self._wrap_blocks(model)
@@ -398,6 +411,13 @@ class _Run:
             cpu_offload=options.cpu_offload,
             policy=resolve_policy(self.policy),
             device=self.device,
+        )
+        materialise_sharded(
+            self.model,
+            self.source,
+            device=self.device,
+            seed=options.seed,
+            cpu_offload=options.cpu_offload,
         )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=options.lr)
         self.metrics_writer: MetricsWriter | None = None
