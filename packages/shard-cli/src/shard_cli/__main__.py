@@ -78,7 +78,11 @@ def _add_train(
         help="element type of a .bin --data (default uint16)",
     )
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
-    p.add_argument("--batch", type=int, help="sequences per rank per step (default: the preset's)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="sequences per rank per micro-batch (see --grad-accum; default: the preset's)",
+    )
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--lr", type=float, help="AdamW learning rate (default: the preset's)")
     p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")

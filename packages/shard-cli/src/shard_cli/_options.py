@@ -71,7 +71,7 @@ class TrainOptions:
         n_heads: Attention heads override; ``None`` keeps the preset's.
         n_layers: Block count override; ``None`` keeps the preset's.
         seq: Sequence length (also the model's context).
-        batch: Sequences per rank per step.
+        batch: Sequences per rank per micro-batch (per step: ``batch * grad_accum``).
         steps: Optimizer steps of the whole run (a resumed run continues to it).
         lr: AdamW learning rate (constant).
         seed: Seeds the model's initialization and every batch.
