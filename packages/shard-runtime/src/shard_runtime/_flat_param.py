@@ -40,6 +40,23 @@ The all-gather writes into the flat unsharded parameter, whose views autograd
 may have saved during forward; the values written are the ones it saved, so
 the writes go through ``.data``, an alias with a version counter of its own,
 and autograd's checks never see them.
+
+[Note: Compute views]
+While the unit computes, each original parameter is a view of the flat
+unsharded parameter made by one ``split_with_sizes`` (padding a piece of its
+own only where there is some), as in PyTorch's wrapper: autograd then brings
+the views' gradients back as one ``cat`` into one flat gradient. One
+``narrow`` per parameter would cost a zero-filled flat-sized gradient per
+parameter and an add for each in every backward (measured: that was most of
+the wrapper's CPU time over PyTorch's), and an empty padding piece a
+zero-fill of its own. A multi-output view may not be used once its base was
+written in place; the all-gather writes through ``.data`` (see [Note: Writes
+under autograd's eye]), which autograd does not see, so the forward's views
+stay valid for backward. The views (and the shape-only placeholders between
+steps) go straight into the module's ``__dict__``: the parameter was taken
+out of ``_parameters`` and the name is no buffer or submodule, so that is
+exactly what ``nn.Module.__setattr__`` would do, without its checks on every
+gather and free (two per parameter per step).
 """
 
 from __future__ import annotations
@@ -92,6 +109,9 @@ class FlatParamGroup:
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._views_registered = False
         self._placeholders: list[torch.Tensor] = []  # use_orig_params=False; full shapes, meta
+        # - the compute views' one split: sizes, and which pieces are parameters
+        self._split_sizes: list[int] = []
+        self._split_pieces: list[int] = []
         self.unsharded = torch.empty(0)
         self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
         if not specs:
@@ -109,6 +129,7 @@ class FlatParamGroup:
             device=specs[0].param.device,
             alignment=alignment,
         )
+        self._split_sizes, self._split_pieces = _compute_split(self.layout, world)
         device = specs[0].param.device
         shard_device = device if device.type == "meta" else shard_device
         n = self.layout.shard_numel(world)
@@ -236,13 +257,19 @@ class FlatParamGroup:
         self._register_unsharded_views()
 
     def _register_unsharded_views(self) -> None:
+        assert self.layout is not None
+        # See [Note: Compute views].
         with torch.enable_grad():
-            views = self._views(self.unsharded_param)
+            pieces = torch.split_with_sizes(self.unsharded_param, self._split_sizes)
+            views = [
+                pieces[index].view(param.shape)
+                for index, param in zip(self._split_pieces, self.layout.params, strict=True)
+            ]
         for spec, view in zip(self.specs, views, strict=True):
             for owner in spec.owners:
                 owner.module._parameters.pop(owner.name, None)
                 # A plain tensor attribute: autograd flows through it to the flat parameter.
-                setattr(owner.module, owner.name, view)
+                owner.module.__dict__[owner.name] = view
         self._views_registered = True
 
     def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
@@ -252,13 +279,13 @@ class FlatParamGroup:
         if self.layout is None:
             return
         if self._views_registered:
-            for spec in self.specs:
-                for owner in spec.owners:
-                    owner.module.__dict__.pop(owner.name, None)
-                    if self.use_orig_params:
+            if self.use_orig_params:
+                for spec in self.specs:
+                    for owner in spec.owners:
+                        owner.module.__dict__.pop(owner.name, None)
                         owner.module._parameters[owner.name] = spec.param
-            if not self.use_orig_params:
-                self._register_placeholders()
+            else:
+                self._register_placeholders()  # replaces the views in ``__dict__``
             self._views_registered = False
         self._free()
 
@@ -328,10 +355,10 @@ class FlatParamGroup:
     # ------------------------------------------------------------------ helpers
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """One single-output view per parameter.
+        """One single-output view per parameter, for ``summon_full_params``.
 
-        Not ``split``: autograd forbids using views of a multi-output op
-        after their base was written, which the all-gather does before backward.
+        Not ``split``: users edit summoned parameters in place, which autograd
+        forbids on views of a multi-output op.
         """
         assert self.layout is not None
         # The layout keeps the full shapes (``param.shape`` is the shard piece's).
@@ -357,7 +384,8 @@ class FlatParamGroup:
             ]
         for spec, placeholder in zip(self.specs, self._placeholders, strict=True):
             for owner in spec.owners:
-                setattr(owner.module, owner.name, placeholder)
+                # See [Note: Compute views]: a plain attribute, as ``setattr`` would make it.
+                owner.module.__dict__[owner.name] = placeholder
 
     def _point_orig_params_at_shard(self) -> None:
         """``use_orig_params``: each original parameter's data is its piece of the shard."""
@@ -376,6 +404,29 @@ class FlatParamGroup:
             spec.param.data = piece.view(self._orig_shape(index)) if self.world == 1 else piece
             for owner in spec.owners:
                 owner.module._parameters[owner.name] = spec.param
+
+
+def _compute_split(layout: FlatLayout, world: int) -> tuple[list[int], list[int]]:
+    """Sizes splitting the unsharded flat buffer into parameters and padding, and the indices
+    of the parameters' pieces.
+
+    Padding between parameters and at the end is a piece of its own where it is
+    not empty, and only then: autograd zero-fills a gradient for every piece no
+    gradient reached. See [Note: Compute views].
+    """
+    sizes: list[int] = []
+    pieces: list[int] = []
+    end = 0
+    for spec, offset in zip(layout.params, layout.offsets, strict=True):
+        if offset > end:
+            sizes.append(offset - end)
+        pieces.append(len(sizes))
+        sizes.append(spec.numel)
+        end = offset + spec.numel
+    padded = layout.padded_numel(world)
+    if padded > end:
+        sizes.append(padded - end)
+    return sizes, pieces
 
 
 def _shape_only(param: nn.Parameter) -> nn.Parameter:
