@@ -3,7 +3,8 @@
 Three things are proved on a tiny Llama whose input and output embeddings
 are tied: the sharded model's initial weights equal, bit for bit, those of
 one process that initialises the unsharded model with the same function
-(at 2 and 3 ranks: even and uneven shards, the wrapper front end too); the
+(at 2 and 3 ranks: even and uneven shards; a 2-D replicate x shard mesh; the
+wrapper front end, which gets the same values whole before it flattens); the
 tie survives (``lm_head`` and ``embed_tokens`` share one parameter after
 materialisation, and training keeps them equal); and a rank's peak memory
 while building, sharding and initialising a model of sixteen 4 MiB layers
@@ -72,8 +73,14 @@ def _reference(sizes: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _fully_shard(model: nn.Module) -> nn.Module:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def _fully_shard(model: nn.Module, replicas: int = 0) -> nn.Module:
+    """Each layer and the root sharded over all ranks, or over ``world / replicas`` (HSDP)."""
+    world = dist.get_world_size()
+    if replicas:
+        shape = (replicas, world // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:  # type: ignore[union-attr]
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -85,12 +92,11 @@ def _sharded_initialisation(frontend: str) -> dict[str, Any]:
     args = [f"{key}={json.dumps(value)}" for key, value in TINY.items()]
     source = load_model_source(hf_config="LlamaConfig", hf_args=args)
     cpu = torch.device("cpu")
-    model = build_for_training(
-        source, sharded_later=frontend == "fully_shard", device=cpu, seed=SEED
-    )
+    per_param = frontend.startswith("fully_shard")
+    model = build_for_training(source, sharded_later=per_param, device=cpu, seed=SEED)
     on_meta = all(p.is_meta for p in model.parameters())
-    if frontend == "fully_shard":
-        model = _fully_shard(model)
+    if per_param:
+        model = _fully_shard(model, replicas=2 if frontend == "fully_shard_hsdp" else 0)
     else:
         policy = ModuleWrapPolicy({transformers.models.llama.modeling_llama.LlamaDecoderLayer})
         model = FullyShardedDataParallel(model, auto_wrap_policy=policy, use_orig_params=True)
@@ -99,7 +105,8 @@ def _sharded_initialisation(frontend: str) -> dict[str, Any]:
     head, embed = inner.lm_head.weight, inner.model.embed_tokens.weight
     tied = head is embed
     options = StateDictOptions(full_state_dict=True)
-    initial = get_model_state_dict(model, options=options)
+    # Cloned: with one rank per shard group a full tensor may be the parameter itself.
+    initial = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
     # One AdamW step: the tied parameter gets both modules' gradients and stays one tensor.
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.arange(16).reshape(2, 8) % TINY["vocab_size"]
@@ -129,7 +136,8 @@ def _reference_and_one_step() -> tuple[dict[str, torch.Tensor], dict[str, torch.
 
 
 @pytest.mark.parametrize(
-    ("world", "frontend"), [(2, "fully_shard"), (3, "fully_shard"), (2, "wrapper")]
+    ("world", "frontend"),
+    [(2, "fully_shard"), (3, "fully_shard"), (2, "fully_shard_hsdp"), (2, "wrapper")],
 )
 def test_initial_weights_and_tie_match_one_process(
     rank_pool: RankPool, world: int, frontend: str
@@ -140,10 +148,10 @@ def test_initial_weights_and_tie_match_one_process(
     results = rank_pool.run(_sharded_initialisation, world, frontend)
     initial, stepped = _reference_and_one_step()
     for result in results:
-        assert result["on_meta"] == (frontend == "fully_shard")
+        assert result["on_meta"] == (frontend != "wrapper")
         assert result["tied"]
         assert result["still_tied"]
-        assert result["dtensor"] == (frontend == "fully_shard")
+        assert result["dtensor"] == (frontend != "wrapper")
     assert list(results[0]["initial"]) == list(initial)
     for key, value in initial.items():
         assert torch.equal(results[0]["initial"][key], value), key
