@@ -27,6 +27,17 @@ for different parameters, one ``all_gather_object`` first agrees on each
 parameter's state names, dtypes and scalars. Only elementwise state (shaped
 like the parameter) and scalars can live in a flat shard.
 
+[Note: flat shards in optimizer state]
+A ``fully_shard`` parameter sharded with ``flat_shard_placement`` is a 1-D
+DTensor of its flattened storage, and so is its elementwise optimizer
+state. A state dict shows that state in the parameter's full shape instead
+(the default layout's ``Shard(0)`` rows in sharded form, the full tensor in
+full form), as the model state dict shows the parameter, so a checkpoint
+saved flat at N ranks loads at M ranks, flat or not, and into an unsharded
+model. Loading cuts this rank's flat piece back out of the full-shape value.
+The conversions are ``shard_runtime._flat_shard``'s (see [Note: flat
+shards in state dicts] there); each gathers the value once.
+
 [Note: optimizer state before the first step]
 ``torch.optim`` creates state lazily at the first step, so a fresh optimizer
 has nothing to load a checkpoint into. Both directions first run one step
@@ -40,7 +51,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -57,6 +68,10 @@ from shard_checkpoint._options import (
 )
 from shard_checkpoint._tensors import full_value, same_layout, shard_like, to_cpu
 from shard_runtime import FlatUnit, clean_fqn, flat_units
+from shard_runtime._flat_shard import flat_sharded_params, flat_to_rows, full_to_flat
+
+if TYPE_CHECKING:
+    from shard_runtime._param import ShardedParam
 
 __all__ = [
     "as_optimizer_list",
@@ -177,7 +192,9 @@ def optimizer_state_dict(
     optims = as_optimizer_list(optimizers)
     layout = _entries(model, optims)
     keep = not (full and rank0_only) or rank() == 0
+    flats = flat_sharded_params(model)
     plain: _States = {}
+    flat_of: dict[str, ShardedParam] = {}  # See [Note: flat shards in optimizer state]
     wrapper: dict[int, dict[int | None, dict[str, Any]]] = {}  # id(unit) -> index -> state
     groups: list[dict[str, Any]] = []
     for o, (optim, entry_groups) in enumerate(zip(optims, layout, strict=True)):
@@ -195,6 +212,8 @@ def optimizer_state_dict(
             entry = entry_of_index[index]
             if entry.unit is None:
                 plain[entry.fqns[0]] = dict(values)
+                if id(entry.param) in flats:
+                    flat_of[entry.fqns[0]] = flats[id(entry.param)]
             else:
                 wrapper.setdefault(id(entry.unit), {})[entry.index] = dict(values)
     states: _States = {}
@@ -210,7 +229,9 @@ def optimizer_state_dict(
     for group in groups:
         for fqn in group[_PARAMS]:
             if fqn in plain:
-                ordered[fqn] = _plain_state_out(plain[fqn], full, offload_to_cpu, keep)
+                ordered[fqn] = _plain_state_out(
+                    plain[fqn], full, offload_to_cpu, keep, flat_of.get(fqn)
+                )
             elif fqn in states:
                 ordered[fqn] = states[fqn]
     if not keep:
@@ -290,6 +311,7 @@ def optimizer_state_dict_to_load(
     optims = as_optimizer_list(optimizers)
     layout = _entries(model, optims)
     params = {fqn: entry for entry in _all_entries(layout) for fqn in entry.fqns}
+    flats = flat_sharded_params(model)
     if broadcast_from_rank0:
         specs, group_options = _skeleton_from_rank0(optim_state_dict, params)
         fetch = _Broadcast(optim_state_dict)
@@ -310,7 +332,7 @@ def optimizer_state_dict_to_load(
                 received = fetch(fqn, name, value, _local_device(entry.param))
                 on_cpu = value.device_type == "cpu" and received.shape != entry.param.shape
                 value = received.cpu() if on_cpu else received
-            out[name] = _like_param(f"{fqn}.{name}", value, entry.param)
+            out[name] = _like_param(f"{fqn}.{name}", value, entry.param, flats.get(id(entry.param)))
         by_entry[id(entry.param)] = out
     return [
         _indexed(optim, groups, by_entry, group_options, strict=strict)
@@ -490,12 +512,27 @@ def _local_flat_state(
 
 
 def _plain_state_out(
-    values: dict[str, Any], full: bool, offload_to_cpu: bool, keep: bool
+    values: dict[str, Any],
+    full: bool,
+    offload_to_cpu: bool,
+    keep: bool,
+    flat: ShardedParam | None = None,
 ) -> dict[str, Any]:
-    """A fully_shard or plain parameter's state in the requested form."""
+    """A fully_shard or plain parameter's state in the requested form.
+
+    ``flat``: the parameter is sharded flat; its elementwise state is shown
+    in the full shape. See [Note: flat shards in optimizer state].
+    """
     out: dict[str, Any] = {}
     for name, value in values.items():
         if isinstance(value, torch.Tensor):
+            if (
+                flat is not None
+                and isinstance(value, DTensor)
+                and value.shape == flat.sharded_shape
+                and value.shape != flat.full_shape
+            ):
+                value = flat_to_rows(flat, value)  # every rank takes part
             if full:
                 value = full_value(value)  # every rank takes part, kept or not
                 value = value.cpu() if offload_to_cpu else value
@@ -709,10 +746,16 @@ def _indexed(
     return {_STATE: state, _GROUPS: param_groups}
 
 
-def _like_param(key: str, value: Any, param: torch.Tensor) -> Any:
-    """``value`` laid out like ``param`` when it has the parameter's shape; as is otherwise."""
+def _like_param(key: str, value: Any, param: torch.Tensor, flat: ShardedParam | None = None) -> Any:
+    """``value`` laid out like ``param`` when it has the parameter's shape; as is otherwise.
+
+    ``flat``: ``param`` is a flat shard; a value of the parameter's full shape
+    becomes this rank's flat piece. See [Note: flat shards in optimizer state].
+    """
     if not isinstance(value, torch.Tensor):
         return value
+    if flat is not None and value.shape == flat.full_shape != flat.sharded_shape:
+        return full_to_flat(flat, value)
     if not isinstance(param, DTensor):
         return full_value(value)
     if isinstance(value, DTensor) and same_layout(value, param):

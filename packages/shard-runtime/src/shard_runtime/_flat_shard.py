@@ -35,14 +35,19 @@ rows of this rank), which needs one all-gather of that parameter while the
 state dict is built (transient: one parameter at a time). A load pre-hook does
 the reverse from any full-shape tensor or DTensor, so DCP and
 ``load_state_dict`` see the full shapes and the unwrapped names both ways.
-The optimizer's state keeps the flat shape (elementwise states of the flat
-DTensor parameter).
+The optimizer's state lives in the flat shape (elementwise states of the
+flat DTensor parameter); its state dicts must not show it either, for the
+same reason: shard-checkpoint's optimizer state dicts turn each flat state
+tensor into the default layout with :func:`flat_to_rows` and load full-shape
+values back with :func:`full_to_flat`, finding the flat parameters of a
+model with :func:`flat_sharded_params`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -59,10 +64,16 @@ if TYPE_CHECKING:
 __all__ = [
     "FlatShard",
     "flat_shard_placement",
+    "flat_sharded_params",
+    "flat_to_rows",
+    "full_to_flat",
     "is_flat_layout",
     "register_flat_state_dict_hooks",
     "shard_numel",
 ]
+
+# Owning module -> the flat ShardedParams registered on it (see flat_sharded_params).
+_FLAT_OWNERS: weakref.WeakKeyDictionary[nn.Module, list[ShardedParam]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +116,7 @@ def register_flat_state_dict_hooks(sp: ShardedParam) -> None:
     """
     for owner in sp.owners:
         module = owner.module
+        _FLAT_OWNERS.setdefault(module, []).append(sp)
         module._register_state_dict_hook(  # type: ignore[no-untyped-call]
             functools.partial(_to_rows, sp, owner.name)
         )
@@ -133,15 +145,56 @@ def _to_rows(
     value = state_dict.get(key)
     if not isinstance(value, DTensor) or tuple(value.shape) == tuple(sp.full_shape):
         return
+    state_dict[key] = flat_to_rows(sp, value)
+
+
+def flat_sharded_params(module: nn.Module) -> dict[int, ShardedParam]:
+    """Every flat-sharded parameter under ``module``, by ``id`` of its current sharded DTensor.
+
+    Looked up when asked (the engine may replace a parameter object), so the
+    keys are the objects an optimizer built now holds.
+    """
+    found: dict[int, ShardedParam] = {}
+    for sub in module.modules():
+        for sp in _FLAT_OWNERS.get(sub, ()):
+            found[id(sp.sharded_param)] = sp
+    return found
+
+
+def flat_to_rows(sp: ShardedParam, value: DTensor) -> DTensor:
+    """A tensor laid out like ``sp``'s flat shard as this rank's ``Shard(0)`` rows, full shape.
+
+    For the parameter and for elementwise optimizer state alike (same shape
+    and placements); one all-gather of ``value``, transient.
+    """
     full = value.full_tensor().detach().view(sp.full_shape)
     start, length = _row_range(sp)
-    state_dict[key] = DTensor.from_local(
+    return DTensor.from_local(
         full.narrow(0, start, length).clone(),
         sp.dtensor_mesh,
         sp.placements,
         run_check=False,
         shape=sp.full_shape,
         stride=contiguous_stride(sp.full_shape),
+    )
+
+
+def full_to_flat(sp: ShardedParam, value: torch.Tensor) -> DTensor:
+    """A full-shape tensor or DTensor (any layout) as this rank's flat shard, laid out like ``sp``.
+
+    The inverse of :func:`flat_to_rows`; a DTensor is gathered first (a
+    collective). The result has its own storage on the shard's device.
+    """
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    start = min(sp.shard_rank * sp.padded_rows, full.numel())
+    local = full.detach().reshape(-1).narrow(0, start, sp.local_rows)
+    return DTensor.from_local(
+        local.to(sp.padded_shard.device, copy=True),
+        sp.dtensor_mesh,
+        sp.placements,
+        run_check=False,
+        shape=sp.sharded_shape,
+        stride=contiguous_stride(sp.sharded_shape),
     )
 
 
@@ -161,14 +214,4 @@ def _from_full(
     value = state_dict.get(key)
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(sp.full_shape):
         return  # missing or already flat: the default load reports or copies it
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    start = min(sp.shard_rank * sp.padded_rows, full.numel())
-    local = full.detach().reshape(-1).narrow(0, start, sp.local_rows)
-    state_dict[key] = DTensor.from_local(
-        local.to(sp.padded_shard.device),
-        sp.dtensor_mesh,
-        sp.placements,
-        run_check=False,
-        shape=sp.sharded_shape,
-        stride=contiguous_stride(sp.sharded_shape),
-    )
+    state_dict[key] = full_to_flat(sp, value)
