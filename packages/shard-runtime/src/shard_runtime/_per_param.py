@@ -37,6 +37,10 @@ class PerParamGroup:
         self._with_grad: deque[list[bool]] = deque()
         self.zero_unused_grads = False  # reduce_scatter_unused_params: they get zeros
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
+        # - sizes, fixed for the group's life (a re-adopted shard keeps its padded shape)
+        self._padded_numels = [p.padded_numel for p in params]
+        self._gather_numel = sum(self._padded_numels)
+        self._reduce_numel = sum(p.padded_numel for p in self.trainable)
 
     # ------------------------------------------------------------------ facts
 
@@ -59,10 +63,10 @@ class PerParamGroup:
 
     @property
     def gather_numel(self) -> int:
-        return sum(p.padded_numel for p in self.params)
+        return self._gather_numel
 
     def reduce_numel(self) -> int:
-        return sum(p.padded_numel for p in self.trainable)
+        return self._reduce_numel
 
     def registered_params(self) -> list[torch.nn.Parameter]:
         return [param for p in self.params for param in (p.sharded_param, p.unsharded_param)]
@@ -108,11 +112,15 @@ class PerParamGroup:
     # ------------------------------------------------------------------ gather
 
     def gather_input(self, device: torch.device) -> torch.Tensor:
-        send = torch.empty(self.gather_numel, dtype=self.gather_dtype, device=device)
+        send = torch.empty(self._gather_numel, dtype=self.gather_dtype, device=device)
+        shards = [p.padded_shard for p in self.params]
+        if all(s.dtype == send.dtype and s.device == send.device for s in shards):
+            torch.cat([s.view(-1) for s in shards], out=send)  # one copy op for the unit
+            return send
         offset = 0
-        for p in self.params:
-            send[offset : offset + p.padded_numel].view_as(p.padded_shard).copy_(p.padded_shard)
-            offset += p.padded_numel
+        for shard, numel in zip(shards, self._padded_numels, strict=True):
+            send[offset : offset + numel].view_as(shard).copy_(shard)
+            offset += numel
         return send
 
     def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
@@ -130,14 +138,12 @@ class PerParamGroup:
                 self.params[0].write_gathered(columns)
             elif self._all_dim0:
                 outs = [p.unsharded_rows_view() for p in self.params]
-                torch.split_with_sizes_copy(
-                    columns, [p.padded_numel for p in self.params], dim=1, out=outs
-                )
+                torch.split_with_sizes_copy(columns, self._padded_numels, dim=1, out=outs)
             else:
                 offset = 0
-                for p in self.params:
-                    p.write_gathered(columns[:, offset : offset + p.padded_numel])
-                    offset += p.padded_numel
+                for p, numel in zip(self.params, self._padded_numels, strict=True):
+                    p.write_gathered(columns[:, offset : offset + numel])
+                    offset += numel
         for p in self.params:
             p.to_unsharded()
 
@@ -218,16 +224,17 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
 
 
 class _preserve_versions:
-    """Hide in-place writes to ``tensors`` from autograd's saved-tensor checks."""
+    """Hide in-place writes to ``tensors`` from autograd's saved-tensor checks.
+
+    One context for all of them (the unit's parameters), not one per tensor.
+    """
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         preserve = torch.autograd._unsafe_preserve_version_counter  # type: ignore[attr-defined]
-        self._contexts = [preserve(t) for t in tensors]
+        self._context = preserve(tuple(tensors))
 
     def __enter__(self) -> None:
-        for ctx in self._contexts:
-            ctx.__enter__()
+        self._context.__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        for ctx in reversed(self._contexts):
-            ctx.__exit__(*exc)
+        self._context.__exit__(*exc)

@@ -210,6 +210,7 @@ class Unit:
     _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
     _grads_ready: int = 0
     _post_event: EventLike | None = None
+    _materialized: bool = False  # no shard on the meta device; checked once per init_compute
     comm_hook: CommHook | None = (
         None  # replaces the default reduction (wrapper's register_comm_hook)
     )
@@ -250,6 +251,7 @@ class Unit:
 
     def init_compute(self) -> None:
         """(Re)build the unsharded face in the compute dtype and hook its gradients."""
+        self._materialized = False  # shards may be new (``to_empty``): check them again
         # See [Note: torch.compile] in _compile.py.
         on_grad_ready = eager_hook(self._on_grad_ready, "post-accumulate-grad hook")
         self.group.init_compute(self.mp_policy.param_dtype, self.compute_device, on_grad_ready)
@@ -365,6 +367,8 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def _check_materialized(self) -> None:
+        if self._materialized:
+            return  # shards only move through ``_apply``, which runs ``reset_after_apply``
         on_meta = self.group.meta_fqns()
         if on_meta:
             raise RuntimeError(
@@ -372,6 +376,7 @@ class Unit:
                 f"{', '.join(on_meta)}; call module.to_empty(device=...) and initialize them "
                 "before the first forward"
             )
+        self._materialized = True
 
     # ------------------------------------------------------------------ gradients
 
