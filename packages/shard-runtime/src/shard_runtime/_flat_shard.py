@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,9 +70,6 @@ __all__ = [
     "register_flat_state_dict_hooks",
     "shard_numel",
 ]
-
-# Owning module -> the flat ShardedParams registered on it (see flat_sharded_params).
-_FLAT_OWNERS: weakref.WeakKeyDictionary[nn.Module, list[ShardedParam]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +112,6 @@ def register_flat_state_dict_hooks(sp: ShardedParam) -> None:
     """
     for owner in sp.owners:
         module = owner.module
-        _FLAT_OWNERS.setdefault(module, []).append(sp)
         module._register_state_dict_hook(  # type: ignore[no-untyped-call]
             functools.partial(_to_rows, sp, owner.name)
         )
@@ -152,12 +147,16 @@ def flat_sharded_params(module: nn.Module) -> dict[int, ShardedParam]:
     """Every flat-sharded parameter under ``module``, by ``id`` of its current sharded DTensor.
 
     Looked up when asked (the engine may replace a parameter object), so the
-    keys are the objects an optimizer built now holds.
+    keys are the objects an optimizer built now holds. The state-dict hooks
+    of :func:`register_flat_state_dict_hooks` are the record: no registry of
+    its own that could keep a model alive.
     """
     found: dict[int, ShardedParam] = {}
     for sub in module.modules():
-        for sp in _FLAT_OWNERS.get(sub, ()):
-            found[id(sp.sharded_param)] = sp
+        for hook in sub._state_dict_hooks.values():
+            if isinstance(hook, functools.partial) and hook.func is _to_rows:
+                sp: ShardedParam = hook.args[0]
+                found[id(sp.sharded_param)] = sp
     return found
 
 
