@@ -38,8 +38,10 @@ frees (``shard_runtime``'s ``Unit`` and its parameter groups):
   are built from them), add the unit's saved activations, and with
   ``full``/``hybrid`` free the full parameters again (the root keeps its
   own until its backward);
-- backward, in reverse: with ``full``/``hybrid`` gather the unit again and
-  prefetch the next one; add its full gradients (and, transiently, the
+- backward, in reverse: with ``full``/``hybrid`` complete the unit's gather
+  (issued by the previous unit as a prefetch: its buffers exist from then,
+  ``fully_shard``'s unsharded parameters only from now, when the output is
+  copied into them) and issue the next one's; add its full gradients (and, transiently, the
   gradients of its largest activation), drop its activations, reduce:
   the reduce-scatter input (``fully_shard`` copies the gradients into a
   padded buffer; the wrapper reduces its flat gradient in place) and output
@@ -238,6 +240,7 @@ class _Sizes:
     gather_temp: int = 0  # all-gather input and output, alive while it completes
     full_grads: int = 0  # gradients of the full parameters, before reduction
     reduce_in: int = 0  # reduce-scatter input beyond full_grads (0: reduced in place)
+    into_unsharded: bool = False  # the all-gather writes the unsharded buffer itself (wrapper)
 
 
 def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int) -> _Sizes:
@@ -252,7 +255,10 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
         n = layout.shard_numel(shard)
         if not trainable:
             return _Sizes(
-                params=n * e, unsharded=shard * n * ec, gather_temp=n * ec if ec != e else 0
+                params=n * e,
+                unsharded=shard * n * ec,
+                gather_temp=n * ec if ec != e else 0,
+                into_unsharded=True,
             )
         return _Sizes(
             params=n * e,
@@ -264,6 +270,7 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
             gather_temp=n * ec if ec != e else 0,
             full_grads=shard * n * ec,
             reduce_in=shard * n * _F32 if ec != _F32 else 0,
+            into_unsharded=True,
         )
     sizes = {"params": 0, "grads": 0, "optim": 0, "unsharded": 0, "full_grads": 0}
     for spec in unit.params:
@@ -327,11 +334,24 @@ def _simulate_step(
     in_flight = _Timeline(0)
     reshard = config.strategy in ("full", "hybrid")
 
-    def gather(name: str) -> None:
+    def issue(name: str) -> None:
+        """Start the all-gather: its buffers (the wrapper's output is the unsharded one)."""
         s = by_name[name][1]
-        line.alloc(s.gather_temp + s.unsharded)
-        in_flight.alloc(s.unsharded)
+        line.alloc(s.gather_temp + (s.unsharded if s.into_unsharded else 0))
+        if s.into_unsharded:
+            in_flight.alloc(s.unsharded)
+
+    def finish(name: str) -> None:
+        """Complete it: ``fully_shard`` copies the output out into the unsharded parameters."""
+        s = by_name[name][1]
+        if not s.into_unsharded:
+            line.alloc(s.unsharded)
+            in_flight.alloc(s.unsharded)
         line.free(s.gather_temp)
+
+    def gather(name: str) -> None:
+        issue(name)
+        finish(name)
 
     def release(name: str) -> None:
         line.free(by_name[name][1].unsharded)
@@ -378,10 +398,13 @@ def _simulate_step(
     in_flight.alloc(root_sizes.full_grads)
     line.free(largest.get(root, 0))
     if reshard and blocks:
-        gather(blocks[0])  # the root's pre-backward prefetches the last unit
+        issue(blocks[0])  # the root's pre-backward prefetches the last unit
     for k, name in enumerate(blocks):
-        if reshard and k + 1 < len(blocks):
-            gather(blocks[k + 1])
+        # a unit's pre-backward completes its own gather, then prefetches the next one's
+        if reshard:
+            finish(name)
+            if k + 1 < len(blocks):
+                issue(blocks[k + 1])
         backward(name)
     backward(root, grads_ready=True)
     # optimizer step: one temporary the size of the largest local parameter
