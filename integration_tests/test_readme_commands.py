@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +37,37 @@ def test_plugin_example_policy_is_selectable_as_shown() -> None:
     policy = resolve_wrap_policy(("name_pattern", {"pattern": r"layers\.\d+"}))
     assert [t.name for t in plan_wraps(model, policy)] == ["layers.0", "layers.1", ""]
     assert 'auto_wrap_policy=("name_pattern", {"pattern": r"layers\\.\\d+"})' in README
+
+
+def _own_model_commands() -> list[list[str]]:
+    section = README[README.index("## Your own model") : README.index("### Training options")]
+    lines = re.findall(r"^python -m hatch run dev:train (.+)$", section, flags=re.MULTILINE)
+    return [line.split() for line in lines]
+
+
+def test_own_model_section_shows_an_hf_config_and_a_factory_command() -> None:
+    """The section a new user copies from names the shipped Llama config and the example model."""
+    commands = _own_model_commands()
+    assert [args[:2] for args in commands] == [
+        ["--hf-config", "examples/llama/config.json"],
+        ["--model", "examples/own_model/tiny_lm.py:build"],
+    ]
+
+
+@pytest.mark.parametrize("args", _own_model_commands(), ids=lambda args: args[0].lstrip("-"))
+def test_own_model_commands_train_from_a_fresh_checkout(args: list[str], tmp_path: Path) -> None:
+    """Each README command trains as printed (two steps instead of twenty), from the checkout."""
+    steps = args.index("--steps")
+    shortened = [*args[: steps + 1], "2", *args[steps + 2 :]]
+    result = subprocess.run(
+        [sys.executable, "-m", "shard_cli", "train", *shortened, "--run-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["loss"]) for m in metrics)

@@ -16,7 +16,9 @@ parameter storage and :func:`materialise_sharded` fills the shards (see
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,12 +145,46 @@ def load_model_source(
     )
 
 
+def _import_user_module(module_ref: str) -> Any:
+    """Import the module ``--model`` names: a dotted name, or the path of a ``.py`` file.
+
+    A dotted name is found with the working directory on ``sys.path``, as
+    ``python -m`` would: the ``shard`` console script's ``sys.path`` starts at
+    its own ``bin/``, so ``--model mymodel:build`` would otherwise fail from
+    the very directory that holds ``mymodel.py``. A file path is loaded as a
+    module named after the file, and its directory goes on ``sys.path`` so
+    that it can import its neighbours.
+    """
+    if module_ref.endswith(".py"):
+        path = Path(module_ref).resolve()
+        if not path.is_file():
+            raise ImportError(f"no file {path}")
+        name = path.stem
+        if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(path):
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"{path} is not a Python module")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    return importlib.import_module(module_ref)
+
+
 def _factory_source(path: str) -> ModelSource:
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"--model {path!r}: write module:factory, e.g. mypkg.models:build")
+        raise ValueError(
+            f"--model {path!r}: write module:factory, e.g. mypkg.models:build or models.py:build"
+        )
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = getattr(_import_user_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"--model {path!r}: cannot import it: {exc}") from exc
     if not callable(factory):
