@@ -285,7 +285,11 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
         local = len(dim0_chunk_range(dim0, shard_rank, shard)) * row
         sizes["optim"] += 2 * local * e + _STEP_BYTES
     return _Sizes(
-        **sizes,
+        params=sizes["params"],
+        grads=sizes["grads"],
+        optim=sizes["optim"],
+        unsharded=sizes["unsharded"],
+        full_grads=sizes["full_grads"],
         # The input (this rank's padded shards) and the output (every rank's).
         gather_temp=sizes["unsharded"] // shard + sizes["unsharded"],
         reduce_in=shard * sizes["grads"],
