@@ -2,11 +2,12 @@
 
 What a rank holds and what it sends depend on the world size only through
 arithmetic (``ceil(numel / N)``, padding, one collective per unit and
-phase), and the engine's own Python cost per step depends on units and
-parameters, not on bytes. All three can be observed at 1024 ranks without
-1024 processes: the process joins a process group whose collectives return
-at once without touching any data, builds the model, shards it as rank 0
-would, and runs full training steps. The values computed are meaningless
+phase), and the engine's own CPU cost per step depends mostly on units
+and parameters (and on the padded buffers it copies), not on other ranks.
+All three can be observed at 1024 ranks without 1024 processes: the
+process joins a process group whose collectives return at once without
+touching any data, builds the model, shards it as rank 0 would, and runs
+full training steps. The values computed are meaningless
 (every all-gather's output is whatever the buffer held), the shapes, bytes,
 collective calls and Python work are those of rank 0 of the real job.
 
@@ -62,10 +63,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "CollectiveTally",
+    "Frontend",
     "Simulation",
     "StateBytes",
     "StepRecord",
-    "Frontend",
     "fake_world",
     "held_bytes",
     "held_state",
@@ -74,7 +75,8 @@ __all__ = [
 ]
 
 _FINGERPRINT_ENV = "SHARD_FINGERPRINT"
-_FAKE_DATA_PTR_WARNING = "Accessing the data pointer of FakeTensor"  # see [Note: fake tensors ...]
+# See [Note: fake tensors for big models]
+_FAKE_DATA_PTR_WARNING = "Accessing the data pointer of FakeTensor"
 
 Frontend = Literal["fully_shard", "fully_shard_flat", "wrapper"]
 """How :func:`shard_blocks` shards: ``fully_shard`` (per-parameter dim 0),
