@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shard_cli import inspect_checkpoint
-from shard_cli._checkpoint import read_step
+from shard_cli._train_checkpoint import read_step
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 120) -> None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from shard_cli import inspect_checkpoint
-from shard_cli._checkpoint import read_step
+from shard_cli._train_checkpoint import read_step
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

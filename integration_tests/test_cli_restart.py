@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from shard_checkpoint import consolidate
-from shard_cli._checkpoint import read_info
+from shard_cli._train_checkpoint import read_info
 
 TINY = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--ckpt-every", "3"]
 STEPS = 8

@@ -24,8 +24,8 @@ import pytest
 
 from shard_cli import inspect_checkpoint
 from shard_cli.__main__ import main
-from shard_cli._checkpoint import read_step
 from shard_cli._plot import BUILTIN_SIZE, MATPLOTLIB_SIZE, available_renderer
+from shard_cli._train_checkpoint import read_step
 
 TINY = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--ckpt-every", "3"]
 STEPS = 9

@@ -185,11 +185,11 @@ def live_tensors() -> tuple[int, int, int]:
 
 
 def _rank_main(rank: int, frontend: str, cfg: SoakConfig, tmp: str, queue: Any) -> None:
-    from shard_cli._checkpoint import save_training
     from shard_cli._corpus import load_corpus
     from shard_cli._options import TrainOptions
-    from shard_cli._shard import resolve_policy, shard_layout, shard_model
+    from shard_cli._strategy import resolve_policy, shard_layout, shard_model
     from shard_cli._train import model_config
+    from shard_cli._train_checkpoint import save_training
     from shard_cli.gpt import GPT
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.world_size))

@@ -10,7 +10,7 @@ from torch import nn
 
 from shard_cli import PlanConfig, estimate_memory, plan_model_units, unsharded_memory
 from shard_cli._measure import state_bytes
-from shard_cli._shard import shard_layout, shard_model
+from shard_cli._strategy import shard_layout, shard_model
 from shard_cli.gpt import GPT, GPTConfig
 from shard_runtime import ModuleWrapPolicy
 from shard_testing import RankPool
@@ -188,7 +188,7 @@ def test_flat_layout_by_hand_at_64_ranks() -> None:
 
 def test_layout_comparison_shows_dim0_flat_and_wrapper_against_ideal() -> None:
     """GPT-2 XL at 1024 ranks: dim 0 wastes 15.8%, flat and wrapper under 0.1%."""
-    from shard_cli._plan_cli import layout_comparison
+    from shard_cli._plan_command import layout_comparison
 
     config = GPTConfig(vocab_size=50257, d_model=1600, n_heads=25, n_layers=48, seq_len=1024)
     with torch.device("meta"):

@@ -15,9 +15,9 @@ import pytest
 
 from shard_checkpoint import save
 from shard_cli import TrainOptions
-from shard_cli._checkpoint import LAUNCH_ENV, launch_id, read_info
 from shard_cli._launch import FRESH_STORE_ENV, launch
 from shard_cli._train import _check_restart_store, restart_options
+from shard_cli._train_checkpoint import LAUNCH_ENV, launch_id, read_info
 
 
 def _options(tmp_path: Path, **changes: Any) -> TrainOptions:

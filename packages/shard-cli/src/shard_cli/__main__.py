@@ -189,9 +189,9 @@ def train_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``shard`` command line."""
-    from shard_cli._ckpt_cli import add_ckpt_parser
-    from shard_cli._debug_cli import add_debug_parser
-    from shard_cli._plan_cli import add_plan_parser
+    from shard_cli._ckpt_command import add_ckpt_parser
+    from shard_cli._debug_command import add_debug_parser
+    from shard_cli._plan_command import add_plan_parser
 
     parser = argparse.ArgumentParser(
         prog="shard", description="shard: fully sharded data parallel training for PyTorch."

@@ -45,8 +45,8 @@ import signal
 import sys
 import uuid
 
-from shard_cli._checkpoint import LAUNCH_ENV, read_step
 from shard_cli._options import TrainOptions
+from shard_cli._train_checkpoint import LAUNCH_ENV, read_step
 
 __all__ = ["is_launched_rank", "launch", "stopped_message"]
 

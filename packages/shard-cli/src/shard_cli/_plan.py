@@ -67,11 +67,11 @@ from torch import nn
 
 from shard_cli._activations import ActivationProfile
 from shard_cli._options import Frontend, Precision, Strategy
-from shard_cli._shard import ShardLayout, shard_layout
+from shard_cli._strategy import ShardLayout, shard_layout
 from shard_core import FlatLayout, ParamSpec, dim0_chunk_range, padded_dim0_size
 from shard_core.protocols import WrapPolicy
+from shard_runtime import plan_units, resolve_wrap_policy
 from shard_runtime._flat_shard import is_flat_layout
-from shard_runtime._wrap import plan_units, resolve_wrap_policy
 
 __all__ = [
     "MemoryEstimate",

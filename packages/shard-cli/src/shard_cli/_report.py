@@ -1,17 +1,13 @@
 """The summary ``shard train`` prints at the end: memory, communication, time, a sample.
 
-Pure formatting of a :class:`~shard_cli._train.RunSummary`, so it is tested
+Pure formatting of a :class:`~shard_cli._summary.RunSummary`, so it is tested
 without running anything.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shard_cli._progress import format_duration, format_rate
-
-if TYPE_CHECKING:
-    from shard_cli._train import RunSummary
+from shard_cli._summary import RunSummary
 
 __all__ = ["format_bytes", "summary_lines"]
 

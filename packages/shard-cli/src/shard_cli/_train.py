@@ -42,7 +42,7 @@ restarts every rank after one fails, and sets ``TORCHELASTIC_RESTART_COUNT``
 to the attempt. A restarted rank resumes as ``--resume`` would, from the
 checkpoint in the run's checkpoint directory, if that checkpoint is complete
 (an interrupted save leaves the previous one in place) and was written by
-this launch (``_checkpoint.launch_id``) or the launch itself resumed;
+this launch (``_train_checkpoint.launch_id``) or the launch itself resumed;
 otherwise it starts over from step 1. Every rank decides alone from the same
 files (the agent has stopped all ranks before it starts new ones), so the
 ranks agree without a collective. The resumed losses equal an uninterrupted
@@ -66,7 +66,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,6 @@ from torch.distributed.tensor import DTensor
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import find_blocks, wrap_blocks
-from shard_cli._checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
 from shard_cli._model_source import (
@@ -101,14 +100,16 @@ from shard_cli._presets import get_preset
 from shard_cli._progress import Progress
 from shard_cli._report import summary_lines
 from shard_cli._schedule import lr_at
-from shard_cli._shard import compute_dtype, resolve_policy, shard_layout, shard_model
+from shard_cli._strategy import compute_dtype, resolve_policy, shard_layout, shard_model
+from shard_cli._summary import RunSummary
 from shard_cli._tensorboard import MetricsWriter
+from shard_cli._train_checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli.gpt import GPT, GPTConfig
 from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 
-__all__ = ["RunSummary", "predict", "run_worker"]
+__all__ = ["predict", "run_worker"]
 
 # The reported peak is the smallest over these steps: on gloo a collective's buffers are
 # freed on the backend's thread when it lets go of them, so a step's measured peak can
@@ -177,53 +178,6 @@ def _seed_step(seed: int, step: int, rank: int) -> None:
     """Reseed the global generators from ``(seed, step, rank)``; see [Note: restarts]."""
     # Another salt than the batch's generator (_corpus.py), so the two streams differ.
     torch.manual_seed(((seed * 1_000_003 + step) * 65_537 + rank) * 31 + 7 & (2**63 - 1))
-
-
-@dataclass
-class RunSummary:
-    """Everything ``summary.json`` holds; rank 0 builds it at the end of a run.
-
-    Attributes:
-        options: The run's options.
-        world_size: Number of ranks.
-        device: The compute device type.
-        backend: The process group's backend.
-        parameters: Parameters of the model.
-        steps_run: Steps this launch ran (after a resume: since the checkpoint).
-        first_loss: The loss of this launch's first step.
-        last_loss: The loss of the last step.
-        tokens_per_s: Tokens per second over this launch (all ranks).
-        wall_s: Wall time of this launch's training loop.
-        measured_step: The first profiled step (see [Note: a step]).
-        measured_steps: How many consecutive steps were profiled.
-        ranks: Per rank: ``params``, ``grads``, ``optim``, ``peak`` (the lowest
-            of the profiled steps' peaks), ``peak_max`` (the highest),
-            ``baseline`` (bytes) and ``rss_peak`` (the process's peak resident size).
-        plan: What ``shard plan`` predicts for rank 0 (``params``, ``grads``,
-            ``optim``, ``activations``, ``in_flight``, ``peak``) and, under
-            ``ranks``, each rank's ``params``/``grads``/``optim``.
-        unsharded: What one unsharded process would hold (plan).
-        comm_per_step: Calls and bytes per collective kind per step.
-        time: Per profiled step on rank 0, averaged: ``step_s``, ``comm_s``, ``compute_s``.
-    """
-
-    options: dict[str, Any]
-    world_size: int
-    device: str
-    backend: str
-    parameters: int
-    steps_run: int
-    first_loss: float
-    last_loss: float
-    tokens_per_s: float
-    wall_s: float
-    measured_step: int
-    measured_steps: int
-    ranks: list[dict[str, int]] = field(default_factory=list)
-    plan: dict[str, Any] = field(default_factory=dict)
-    unsharded: dict[str, int] = field(default_factory=dict)
-    comm_per_step: dict[str, dict[str, int]] = field(default_factory=dict)
-    time: dict[str, float] = field(default_factory=dict)
 
 
 def model_config(options: TrainOptions, vocab_size: int) -> GPTConfig:

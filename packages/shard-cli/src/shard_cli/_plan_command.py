@@ -3,8 +3,9 @@
 The model comes from a preset, a ``module:factory`` import path, or a Hugging
 Face ``transformers`` config (a local ``config.json`` or a config class name
 with keyword arguments; nothing is downloaded), always built on the meta
-device. The wrap plan is printed as a tree of units, then per-rank memory
-for each strategy side by side; all of it is arithmetic (see ``_plan.py``).
+device by ``_model_source.py`` (shared with ``shard train``). The wrap plan
+is printed as a tree of units, then per-rank memory for each strategy side
+by side; all of it is arithmetic (see ``_plan.py``).
 """
 
 from __future__ import annotations
@@ -31,17 +32,10 @@ from shard_cli._plan import (
 )
 from shard_cli._presets import PRESETS
 from shard_cli._report import format_bytes
-from shard_cli._shard import compute_dtype, resolve_policy
+from shard_cli._strategy import compute_dtype, resolve_policy
 from shard_core.errors import ShardError
 
-__all__ = [
-    "ModelSource",
-    "add_plan_parser",
-    "layout_comparison",
-    "load_model_source",
-    "plan_report",
-    "run_plan",
-]
+__all__ = ["add_plan_parser", "format_plan", "layout_comparison", "plan_report", "run_plan"]
 
 
 # ---------------------------------------------------------------------- report
