@@ -34,15 +34,6 @@ from shard_comms._hooks import (
 from shard_comms._mesh import build_mesh
 from shard_comms._process_group import DistributedState, init_distributed
 from shard_comms._version import __version__
-
-# Transitional: shard-runtime imports these from here until it switches to
-# shard_comms.plumbing; they are not part of the front door (not in __all__).
-from shard_comms.plumbing import comm_buffer as comm_buffer
-from shard_comms.plumbing import custom_all_gather as custom_all_gather
-from shard_comms.plumbing import custom_reduce_scatter as custom_reduce_scatter
-from shard_comms.plumbing import default_divide_factors as default_divide_factors
-from shard_comms.plumbing import group_allocates as group_allocates
-from shard_comms.plumbing import set_flight_step as set_flight_step
 from shard_core.errors import CollectiveError, CommError, DistributedInitError, MeshError
 
 __all__ = [

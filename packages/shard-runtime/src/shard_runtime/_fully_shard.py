@@ -20,7 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from shard_comms import CustomAllGather, CustomReduceScatter, build_mesh, get_device_handle
+from shard_comms import CustomAllGather, CustomReduceScatter, get_device_handle
+from shard_comms.plumbing import default_mesh, post_forward_group
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._comm import separate_reduce_scatter_group
@@ -35,7 +36,7 @@ from shard_runtime._options import (
 from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param import PerParamGroup
 from shard_runtime._state import ShardState, get_state, states_in
-from shard_runtime._unit import PostForwardGroup, ShardedState, Unit
+from shard_runtime._unit import ShardedState, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -560,7 +561,7 @@ def fully_shard(
         mp_policy=mp_policy,
         compute_device=compute_device,
         post_forward=(
-            None if post_forward_size is None else _post_forward_group(mesh, post_forward_size)
+            None if post_forward_size is None else post_forward_group(mesh, post_forward_size)
         ),
     )
     for (_, param, _), sp in zip(params, sharded, strict=True):
@@ -657,20 +658,13 @@ def _check_module(module: nn.Module, *, alone: bool) -> None:
         )
 
 
-_DEFAULT_MESHES: dict[tuple[str, int], DeviceMesh] = {}
-
-
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError(
             "fully_shard: torch.distributed is not initialized; call "
             "shard_comms.init_distributed() (or run under torchrun), or pass mesh="
         )
-    key = (get_device_handle().device_type, dist.get_world_size())
-    mesh = _DEFAULT_MESHES.get(key)
-    if mesh is None:
-        mesh = _DEFAULT_MESHES[key] = build_mesh(device_type=key[0])
-    return mesh
+    return default_mesh(get_device_handle().device_type)
 
 
 def _check_mesh(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None) -> None:
@@ -757,28 +751,6 @@ def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple
     if value == 1:
         return True, None
     return False, value
-
-
-_POST_FORWARD_GROUPS: dict[tuple[tuple[int, ...], ...], list[dist.ProcessGroup]] = {}
-
-
-def _post_forward_group(mesh: DeviceMesh, size: int) -> PostForwardGroup:
-    """This rank's group of ``size`` consecutive ranks along the mesh's shard axis."""
-    shard_world = mesh.size(-1)
-    rows = mesh.mesh.reshape(-1, shard_world).tolist()
-    layout = tuple(tuple(row[i : i + size]) for row in rows for i in range(0, shard_world, size))
-    groups = _POST_FORWARD_GROUPS.get(layout)
-    if groups is None:
-        # Every rank creates every group, in the same order (new_group is collective).
-        groups = [dist.new_group(list(ranks)) for ranks in layout]
-        _POST_FORWARD_GROUPS[layout] = groups
-    rank = dist.get_rank()
-    for ranks, group in zip(layout, groups, strict=True):
-        if rank in ranks:
-            return PostForwardGroup(
-                group=group, size=size, index=ranks.index(rank), rows=shard_world // size
-            )
-    raise ValueError(f"fully_shard: rank {rank} is not in the mesh {mesh}")
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shard_core import contiguous_stride
+from shard_core import contiguous_stride, dim0_chunk_range, padded_dim0_size
 from shard_runtime._flat_shard import is_flat_layout
 
 __all__ = [
@@ -177,9 +177,9 @@ class ShardedParam:
                 "ranks; only dim 0 may be split unevenly: return Shard(0) (or None) from "
                 "shard_placement_fn for it"
             )
-        padded_rows = math.ceil(size / shard_world)
-        start = min(shard_rank * padded_rows, size)
-        local_rows = min(padded_rows, size - start)
+        padded_rows = padded_dim0_size(size, shard_world)
+        rows = dim0_chunk_range(size, shard_rank, shard_world)
+        start, local_rows = rows.start, len(rows)
         if data.device.type == "meta":  # stays on meta until module.to_empty(...)
             shard_device = data.device
         padded_shape = _with_dim(shard_shape, shard_dim, padded_rows)

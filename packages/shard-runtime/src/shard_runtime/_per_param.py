@@ -8,8 +8,8 @@ by rank. When every parameter is sharded on dim 0 (the default) those blocks
 are copied out in one ``split_with_sizes_copy``; a parameter sharded on
 another dim (``shard_placement_fn``) has its blocks interleaved along that dim
 (:meth:`ShardedParam.write_gathered`). The reduction uses the same layout over
-the trainable parameters. This is shard-core's ``PackedDim0Layout``, with the
-shards already padded in place.
+the trainable parameters; the shards are already padded in place
+(``padded_dim0_size`` rows each, shard-core's dim-0 math).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
-from shard_comms import set_flight_step
+from shard_comms.plumbing import set_flight_step
 from shard_runtime._compile import eager_hook
 from shard_runtime._fingerprint import check_same_model
 from shard_runtime._options import MixedPrecisionPolicy

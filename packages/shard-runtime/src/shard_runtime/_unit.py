@@ -57,13 +57,17 @@ from shard_comms import (
     DefaultGradReducer,
     all_gather,
     all_reduce,
+    mesh_groups,
+    reduce_gradient,
+    reduce_scatter,
+)
+from shard_comms.plumbing import (
+    PostForwardGroup,
     comm_buffer,
     custom_all_gather,
     custom_reduce_scatter,
     default_divide_factors,
     group_allocates,
-    reduce_gradient,
-    reduce_scatter,
 )
 from shard_core.protocols import CommHook, EventLike, StreamLike
 from shard_runtime._comm import CommContext, streams_for
@@ -75,7 +79,6 @@ __all__ = [
     "CommAllocator",
     "DividePlan",
     "PendingReduce",
-    "PostForwardGroup",
     "ShardedState",
     "TrainingState",
     "Unit",
@@ -96,23 +99,6 @@ class ShardedState(enum.Enum):
     # registered, and a shard over the smaller post-forward group kept for the
     # backward all-gather.
     SHARDED_POST_FORWARD = enum.auto()
-
-
-@dataclass(frozen=True, slots=True)
-class PostForwardGroup:
-    """The smaller group a unit reshards to after forward (``reshard_after_forward=int``).
-
-    The shard axis of ``world`` ranks is cut into consecutive groups of
-    ``size`` ranks; this rank is member ``index`` of its group and keeps
-    ``world // size`` of the full all-gather's per-rank blocks, the ones at
-    ``[index * rows, (index + 1) * rows)``. Gathering those over the group
-    rebuilds exactly the full all-gather's output.
-    """
-
-    group: dist.ProcessGroup
-    size: int
-    index: int
-    rows: int
 
 
 class TrainingState(enum.Enum):
@@ -230,12 +216,9 @@ class Unit:
     comm_ctx: CommContext = field(default_factory=CommContext)  # used where the unit is root
 
     def __post_init__(self) -> None:
-        self.shard_group: dist.ProcessGroup = self.mesh.get_group(self.mesh.ndim - 1)
-        self.replicate_group: dist.ProcessGroup | None = (
-            self.mesh.get_group(0) if self.mesh.ndim == 2 else None
-        )
-        self.shard_world = self.mesh.size(-1)
-        self.replicate_world = self.mesh.size(0) if self.mesh.ndim == 2 else 1
+        self.shard_group, self.replicate_group = mesh_groups(self.mesh)
+        self.shard_world = self.shard_group.size()
+        self.replicate_world = 1 if self.replicate_group is None else self.replicate_group.size()
         self.streams = streams_for(self.compute_device)
         self.init_compute()
 

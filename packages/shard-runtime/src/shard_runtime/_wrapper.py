@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import DefaultGradReducer, all_gather, build_mesh
+from shard_comms import DefaultGradReducer, all_gather
+from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_mesh
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
@@ -602,9 +603,6 @@ def _device_of(device_id: int | torch.device | None) -> torch.device:
     return torch.device(device_id)
 
 
-_MESHES: dict[tuple[object, ...], DeviceMesh] = {}
-
-
 def _mesh_for(
     strategy: ShardingStrategy,
     process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
@@ -630,17 +628,12 @@ def _mesh_for(
                 f"{device_mesh.ndim}-D one; use HYBRID_SHARD for 2-D meshes"
             )
         if strategy is ShardingStrategy.NO_SHARD:
-            return _cached(
-                ("no_shard", id(device_mesh)), lambda: _replicated(device_mesh.get_group())
-            )
+            return replicated_mesh(device_mesh.get_group())
         return device_mesh
     if hybrid:
         if isinstance(process_group, tuple):
             shard_group, replicate_group = process_group
-            return _cached(
-                ("hybrid", id(shard_group), id(replicate_group)),
-                lambda: build_mesh(groups=(shard_group, replicate_group), device_type=device_type),
-            )
+            return hybrid_mesh(shard_group, replicate_group, device_type=device_type)
         if process_group is not None:
             raise ValueError(
                 f"FullyShardedDataParallel: {strategy.name} takes process_group as a "
@@ -653,7 +646,7 @@ def _mesh_for(
                 "auto_wrap_policy the groups are built per node from LOCAL_WORLD_SIZE"
             )
         node = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        return _cached(("node", node), lambda: build_mesh(node_size=node, device_type=device_type))
+        return node_mesh(node, device_type=device_type)
     if isinstance(process_group, tuple):
         raise ValueError(
             f"FullyShardedDataParallel: a (shard_group, replicate_group) tuple needs a hybrid "
@@ -662,23 +655,8 @@ def _mesh_for(
     group = process_group if process_group is not None else dist.group.WORLD
     assert group is not None
     if strategy is ShardingStrategy.NO_SHARD:
-        return _cached(("no_shard", id(group)), lambda: _replicated(group))
-    return _cached(("shard", id(group)), lambda: build_mesh(groups=group, device_type=device_type))
-
-
-def _cached(key: tuple[object, ...], make: Callable[[], DeviceMesh]) -> DeviceMesh:
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        mesh = _MESHES[key] = make()
-    return mesh
-
-
-def _replicated(group: dist.ProcessGroup) -> DeviceMesh:
-    """A (N, 1) mesh over ``group``: every rank a replica, shard groups of one."""
-    ranks = dist.get_process_group_ranks(group)
-    singles = [dist.new_group([r]) for r in ranks]  # collective: every rank creates every group
-    mine = singles[ranks.index(dist.get_rank())]
-    return build_mesh(groups=(mine, group))
+        return replicated_mesh(group)
+    return group_mesh(group, device_type=device_type)
 
 
 def _auto_wrap(
