@@ -13,19 +13,8 @@ State shaped like its parameter is a DTensor laid out like the parameter
 ``step`` scalar) stays as the optimizer keeps it. The flat form spells the
 same content ``{"state.<fqn>.<name>": ..., "param_groups.<fqn>.<option>": ...}``.
 
-[Note: wrapper units in optimizer state]
-An optimizer over a ``FullyShardedDataParallel`` unit holds either the
-unit's flat shard (``use_orig_params=False``: one parameter, one flat state
-tensor per state name) or each original parameter's 1-D piece of it
-(``use_orig_params=True``; a rank holds state only for the parameters its
-shard touches; a shard axis of one rank gives the whole parameter in its own
-shape, as PyTorch does). Either way a state name of the unit is one flat tensor per
-rank, laid out like the parameters: it is gathered over the unit's shard
-axis and viewed per parameter (``_flat.py``), and loading cuts this rank's
-flat shard back out of per-parameter full values. Because ranks hold state
-for different parameters, one ``all_gather_object`` first agrees on each
-parameter's state names, dtypes and scalars. Only elementwise state (shaped
-like the parameter) and scalars can live in a flat shard.
+The state of ``FullyShardedDataParallel`` units is gathered and cut in
+``_optim_flat_units.py``; rekeying by position is ``_optim_rekey.py``.
 
 [Note: flat shards in optimizer state]
 A ``fully_shard`` parameter sharded with ``flat_shard_placement`` is a 1-D
@@ -50,24 +39,34 @@ parameters that already have gradients, are left alone.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shard_checkpoint._dist import all_gather_objects, broadcast_object, broadcast_tensor, rank
+from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
-from shard_checkpoint._flat import chunk_of, gather_full
-from shard_checkpoint._model import TensorSpec, check_not_empty, in_module_order, reshard_model
+from shard_checkpoint._model import TensorSpec, check_not_empty, reshard_model
+from shard_checkpoint._optim_entries import (
+    GROUPS,
+    PARAMS,
+    STATE,
+    Entry,
+    GroupOptions,
+    States,
+    all_entries,
+    held_units,
+    optimizer_entries,
+    param_group_options,
+)
+from shard_checkpoint._optim_flat_units import agree_on_skeleton, unit_state_in, unit_state_out
 from shard_checkpoint._options import (
     StateDictOptions,
     checked_options,
     warn_submodules_deprecated,
 )
 from shard_checkpoint._tensors import full_value, same_layout, shard_like, to_cpu
-from shard_runtime import FlatUnit, clean_fqn, flat_units
 from shard_runtime._flat_shard import flat_sharded_params, flat_to_rows, full_to_flat
 
 if TYPE_CHECKING:
@@ -83,36 +82,6 @@ __all__ = [
     "optimizer_state_dict_to_load",
     "set_optimizer_state_dict",
 ]
-
-_STATE = "state"
-_GROUPS = "param_groups"
-_PARAMS = "params"
-
-# Per fqn: {state name: value}, and per fqn: its param group's options.
-_States = dict[str, dict[str, Any]]
-_GroupOptions = dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class _FlatState:
-    """A wrapper unit's elementwise state name, in the skeleton ranks agree on."""
-
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One parameter an optimizer holds and the names its state goes under.
-
-    ``unit`` is set for wrapper parameters: the unit's flat shard (``index``
-    ``None``, ``fqns`` every parameter of the unit) or one original
-    parameter's piece of it (``index`` its position in the unit).
-    """
-
-    param: torch.Tensor
-    fqns: list[str]
-    unit: FlatUnit | None = None
-    index: int | None = None
 
 
 def get_optimizer_state_dict(
@@ -190,10 +159,10 @@ def optimizer_state_dict(
     """
     reshard_model(model)
     optims = as_optimizer_list(optimizers)
-    layout = _entries(model, optims)
+    layout = optimizer_entries(model, optims)
     keep = not (full and rank0_only) or rank() == 0
     flats = flat_sharded_params(model)
-    plain: _States = {}
+    plain: States = {}
     flat_of: dict[str, ShardedParam] = {}  # See [Note: flat shards in optimizer state]
     wrapper: dict[int, dict[int | None, dict[str, Any]]] = {}  # id(unit) -> index -> state
     groups: list[dict[str, Any]] = []
@@ -203,12 +172,12 @@ def optimizer_state_dict(
             osd = optim.state_dict()
         else:
             osd = dict(local_state_dicts[o])
-        entry_of_index: dict[int, _Entry] = {}
-        for group_sd, entries in zip(osd[_GROUPS], entry_groups, strict=True):
-            entry_of_index.update(zip(group_sd[_PARAMS], entries, strict=True))
+        entry_of_index: dict[int, Entry] = {}
+        for group_sd, entries in zip(osd[GROUPS], entry_groups, strict=True):
+            entry_of_index.update(zip(group_sd[PARAMS], entries, strict=True))
             fqns = [fqn for entry in entries for fqn in entry.fqns]
-            groups.append({**_group_options(group_sd), _PARAMS: fqns})
-        for index, values in osd[_STATE].items():
+            groups.append({**param_group_options(group_sd), PARAMS: fqns})
+        for index, values in osd[STATE].items():
             entry = entry_of_index[index]
             if entry.unit is None:
                 plain[entry.fqns[0]] = dict(values)
@@ -216,18 +185,18 @@ def optimizer_state_dict(
                     flat_of[entry.fqns[0]] = flats[id(entry.param)]
             else:
                 wrapper.setdefault(id(entry.unit), {})[entry.index] = dict(values)
-    states: _States = {}
-    units = _held_units(layout)
+    states: States = {}
+    units = held_units(layout)
     if units:
-        skeleton = _agree_on_skeleton(units, wrapper)
+        skeleton = agree_on_skeleton(units, wrapper)
         for unit in units:  # the same order on every rank: gathers are collectives
-            _unit_state_out(
+            unit_state_out(
                 unit, wrapper.get(id(unit), {}), skeleton, states, full, offload_to_cpu, keep
             )
     # Parameter order, the same on every rank: full gathers are collectives.
-    ordered: _States = {}
+    ordered: States = {}
     for group in groups:
-        for fqn in group[_PARAMS]:
+        for fqn in group[PARAMS]:
             if fqn in plain:
                 ordered[fqn] = _plain_state_out(
                     plain[fqn], full, offload_to_cpu, keep, flat_of.get(fqn)
@@ -236,7 +205,7 @@ def optimizer_state_dict(
                 ordered[fqn] = states[fqn]
     if not keep:
         return {}
-    return {_STATE: ordered, _GROUPS: groups}
+    return {STATE: ordered, GROUPS: groups}
 
 
 def set_optimizer_state_dict(
@@ -309,8 +278,8 @@ def optimizer_state_dict_to_load(
     """For each optimizer, the positional state dict its ``load_state_dict`` takes."""
     reshard_model(model)
     optims = as_optimizer_list(optimizers)
-    layout = _entries(model, optims)
-    params = {fqn: entry for entry in _all_entries(layout) for fqn in entry.fqns}
+    layout = optimizer_entries(model, optims)
+    params = {fqn: entry for entry in all_entries(layout) for fqn in entry.fqns}
     flats = flat_sharded_params(model)
     if broadcast_from_rank0:
         specs, group_options = _skeleton_from_rank0(optim_state_dict, params)
@@ -320,9 +289,9 @@ def optimizer_state_dict_to_load(
         fetch = None
     _check_unexpected(specs, params, strict)
     by_entry: dict[int, dict[str, Any]] = {}
-    for unit in _held_units(layout):
-        _unit_state_in(unit, layout, specs, fetch, by_entry)
-    for entry in _all_entries(layout):
+    for unit in held_units(layout):
+        unit_state_in(unit, layout, specs, fetch, by_entry)
+    for entry in all_entries(layout):
         fqn = entry.fqns[0]
         if entry.unit is not None or fqn not in specs:
             continue
@@ -340,175 +309,7 @@ def optimizer_state_dict_to_load(
     ]
 
 
-# ------------------------------------------------------------------ entries
-
-
-def _entries(model: nn.Module, optims: list[torch.optim.Optimizer]) -> list[list[list[_Entry]]]:
-    """Per optimizer, per param group, what each parameter is and the names it holds."""
-    owned: dict[int, tuple[FlatUnit, int | None]] = {}
-    for unit in flat_units(model):
-        if unit.flat_param is not None:
-            owned[id(unit.flat_param)] = (unit, None)
-        else:
-            for index, info in enumerate(unit.params):
-                assert info.param is not None
-                owned[id(info.param)] = (unit, index)
-    names = _param_names(model)
-    layout: list[list[list[_Entry]]] = []
-    for o, optim in enumerate(optims):
-        groups: list[list[_Entry]] = []
-        for g, group in enumerate(optim.param_groups):
-            entries: list[_Entry] = []
-            for i, param in enumerate(group[_PARAMS]):
-                found = owned.get(id(param))
-                if found is None:
-                    entries.append(_Entry(param, [_fqn(names, param, o, g, i)]))
-                    continue
-                holder, position = found
-                if position is None:
-                    entries.append(_Entry(param, [p.keys[0] for p in holder.params], holder))
-                else:
-                    entries.append(
-                        _Entry(param, [holder.params[position].keys[0]], holder, position)
-                    )
-            groups.append(entries)
-        layout.append(groups)
-    return layout
-
-
-def _all_entries(layout: list[list[list[_Entry]]]) -> list[_Entry]:
-    return [entry for groups in layout for entries in groups for entry in entries]
-
-
-def _held_units(layout: list[list[list[_Entry]]]) -> list[FlatUnit]:
-    """The wrapper units the optimizers hold parameters of, in first-held order."""
-    units: dict[int, FlatUnit] = {}
-    for groups in layout:
-        for entries in groups:
-            for entry in entries:
-                if entry.unit is not None:
-                    units.setdefault(id(entry.unit.wrapper), entry.unit)
-    return list(units.values())
-
-
-# ------------------------------------------------------------------ wrapper units
-# See [Note: wrapper units in optimizer state]
-
-_Skeleton = dict[str, dict[str, Any]]  # fqn -> state name -> _FlatState | scalar value
-
-
-def _agree_on_skeleton(
-    units: list[FlatUnit], held: Mapping[int, Mapping[int | None, Mapping[str, Any]]]
-) -> _Skeleton:
-    """Every wrapper parameter's state names, flat dtypes and scalars, merged over all ranks."""
-    local: _Skeleton = {}
-    for unit in units:
-        states = held.get(id(unit), {})
-        if unit.flat_param is not None:
-            values = states.get(None)
-            if values:
-                shape = _describe(unit.params[0].keys[0], values, (unit.shard_numel,))
-                for param in unit.params:
-                    local[param.keys[0]] = shape
-            continue
-        for info in unit.meta.params:
-            values = states.get(info.index)
-            if values:
-                held_param = unit.params[info.index].param
-                assert held_param is not None
-                fqn = unit.params[info.index].keys[0]
-                local[fqn] = _describe(fqn, values, tuple(held_param.shape))
-    merged: _Skeleton = {}
-    for theirs in all_gather_objects(local):
-        for fqn, names in theirs.items():
-            mine = merged.setdefault(fqn, {})
-            for name, value in names.items():
-                mine.setdefault(name, value)
-    return merged
-
-
-def _describe(fqn: str, values: Mapping[str, Any], shape: tuple[int, ...]) -> dict[str, Any]:
-    """A wrapper parameter's state with flat tensors replaced by their dtype.
-
-    ``shape`` is the shape of what the optimizer holds: the flat shard, a 1-D
-    piece of it, or (``use_orig_params`` on one rank) the whole parameter.
-    """
-    out: dict[str, Any] = {}
-    for name, value in values.items():
-        if not isinstance(value, torch.Tensor):
-            out[name] = value
-        elif value.dim() == 0:
-            out[name] = value.detach().clone()
-        elif tuple(value.shape) == shape:
-            out[name] = _FlatState(value.dtype)
-        else:
-            raise _not_elementwise(fqn, name, tuple(value.shape))
-    return out
-
-
-def _not_elementwise(fqn: str, name: str, shape: tuple[int, ...]) -> StateDictError:
-    return StateDictError(
-        f"optimizer state {fqn}.{name} has shape {shape}, neither a scalar nor laid out like "
-        "the parameter: FullyShardedDataParallel units keep parameters in flat shards, which "
-        "hold elementwise optimizer state only (Adam, SGD momentum, ...); shard this part of "
-        "the model with fully_shard to use this optimizer"
-    )
-
-
-def _unit_state_out(
-    unit: FlatUnit,
-    held: Mapping[int | None, Mapping[str, Any]],
-    skeleton: _Skeleton,
-    states: _States,
-    full: bool,
-    offload_to_cpu: bool,
-    keep: bool,
-) -> None:
-    """Add the unit's parameters' state to ``states``, one gathered state name at a time."""
-    fqns = [param.keys[0] for param in unit.params]
-    dtypes: dict[str, torch.dtype] = {}
-    for fqn in fqns:
-        for name, value in skeleton.get(fqn, {}).items():
-            if isinstance(value, _FlatState):
-                dtypes.setdefault(name, value.dtype)
-    values: dict[str, dict[str, torch.Tensor]] = {}
-    for name, dtype in dtypes.items():
-        local = _local_flat_state(unit, held, name, dtype)
-        fulls = gather_full(unit, local, label=f"optim_state_dict ({fqns[0]}.{name})")
-        for fqn, value in zip(fqns, fulls, strict=True):
-            if not keep or name not in skeleton.get(fqn, {}):
-                continue
-            values.setdefault(fqn, {})[name] = (
-                value.to("cpu" if offload_to_cpu else value.device, copy=True)
-                if full
-                else chunk_of(value, unit, offload_to_cpu=offload_to_cpu)
-            )
-        del fulls, local
-    if keep:
-        for fqn in fqns:
-            if fqn in skeleton:
-                states[fqn] = {
-                    name: values[fqn][name] if isinstance(value, _FlatState) else value
-                    for name, value in skeleton[fqn].items()
-                }
-
-
-def _local_flat_state(
-    unit: FlatUnit, held: Mapping[int | None, Mapping[str, Any]], name: str, dtype: torch.dtype
-) -> torch.Tensor:
-    """This rank's flat tensor of state ``name`` (zeros where it holds none)."""
-    device = unit.shard.device
-    if unit.flat_param is not None:
-        value = held.get(None, {}).get(name)
-        if isinstance(value, torch.Tensor):
-            return value.detach()
-        return torch.zeros(unit.shard_numel, dtype=dtype, device=device)
-    local = torch.zeros(unit.shard_numel, dtype=dtype, device=device)
-    for info in unit.meta.params:
-        value = held.get(info.index, {}).get(name)
-        if isinstance(value, torch.Tensor):
-            local.narrow(0, info.offset_in_range, info.numel_in_range).copy_(value.reshape(-1))
-    return local
+# ------------------------------------------------------------------ plain parameters
 
 
 def _plain_state_out(
@@ -543,209 +344,6 @@ def _plain_state_out(
     return out
 
 
-def _unit_state_in(
-    unit: FlatUnit,
-    layout: list[list[list[_Entry]]],
-    specs: _States,
-    fetch: _Broadcast | None,
-    by_entry: dict[int, dict[str, Any]],
-) -> None:
-    """Cut this rank's flat state of ``unit`` out of per-parameter values, one name at a time."""
-    fqns = [param.keys[0] for param in unit.params]
-    flat_names: list[str] = []
-    for fqn, param in zip(fqns, unit.params, strict=True):
-        for name, value in specs.get(fqn, {}).items():
-            shape = tuple(value.shape) if isinstance(value, (torch.Tensor, TensorSpec)) else ()
-            if shape == tuple(param.shape) and shape != ():
-                if name not in flat_names:
-                    flat_names.append(name)
-            elif shape != ():
-                raise _not_elementwise(fqn, name, shape)
-    shard = unit.shard
-    flat: dict[str, torch.Tensor] = {}
-    for name in flat_names:
-        fulls: list[torch.Tensor | None] = []
-        for fqn in fqns:
-            value = specs.get(fqn, {}).get(name)
-            if value is None:
-                fulls.append(None)
-            elif fetch is not None:
-                fulls.append(fetch(fqn, name, value, unit.compute_device))
-            else:
-                fulls.append(full_value(value))
-        dtype = next(v.dtype for v in fulls if v is not None)
-        tensors = [
-            (v if v is not None else torch.zeros(p.shape, dtype=dtype)).to(shard.device, dtype)
-            for v, p in zip(fulls, unit.params, strict=True)
-        ]
-        flat[name] = unit.layout.shard(tensors, unit.rank, unit.world)
-        del fulls, tensors
-    scalars: dict[str, dict[str, Any]] = {}
-    for fqn in fqns:
-        for name, value in specs.get(fqn, {}).items():
-            if name in flat_names:
-                continue
-            if fetch is not None and isinstance(value, TensorSpec):
-                received = fetch(fqn, name, value, unit.compute_device)
-                value = received.cpu() if value.device_type == "cpu" else received
-            scalars.setdefault(fqn, {})[name] = value
-    pieces = {info.index: info for info in unit.meta.params}
-    for entry in _all_entries(layout):
-        if entry.unit is None or entry.unit.wrapper is not unit.wrapper:
-            continue
-        if entry.index is None:
-            first = next((f for f in fqns if f in specs), None)
-            if first is None:
-                continue
-            order = list(specs[first])
-            state = {n: _copy(scalars.get(first, {}).get(n)) for n in order if n not in flat}
-            state.update({n: flat[n] for n in flat})
-            by_entry[id(entry.param)] = {n: state[n] for n in [*order, *flat] if n in state}
-            continue
-        fqn = fqns[entry.index]
-        info = pieces.get(entry.index)
-        if info is None or fqn not in specs:
-            continue
-        by_entry[id(entry.param)] = {
-            name: (
-                flat[name]
-                .narrow(0, info.offset_in_range, info.numel_in_range)
-                .reshape(entry.param.shape)  # 1-D, or the full shape on one rank
-                .clone()
-                if name in flat
-                else _copy(scalars[fqn][name])
-            )
-            for name in specs[fqn]
-            if name in flat or name in scalars.get(fqn, {})
-        }
-
-
-def _copy(value: Any) -> Any:
-    """A scalar state value of its own (optimizers update ``step`` tensors in place)."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-# ------------------------------------------------------------------ names
-
-
-def as_optimizer_list(
-    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
-) -> list[torch.optim.Optimizer]:
-    """One optimizer or an iterable of them (a generator too, read once) as a list."""
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
-    return list(optimizers)
-
-
-def _param_names(model: nn.Module) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), clean_fqn(name))
-    return names
-
-
-def _fqn(names: Mapping[int, str], param: torch.Tensor, optim: int, group: int, index: int) -> str:
-    fqn = names.get(id(param))
-    if fqn is None:
-        raise StateDictError(
-            f"parameter {index} (shape {tuple(param.shape)}) of param group {group} of "
-            f"optimizer {optim} is not a parameter of the model; build the optimizer from "
-            "model.parameters() after fully_shard (an optimizer built before holds the "
-            "unsharded parameters)"
-        )
-    return fqn
-
-
-def _group_options(group: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != _PARAMS}
-
-
-# ------------------------------------------------------------------ forms
-
-
-def _flatten(nested: Mapping[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for fqn, values in nested[_STATE].items():
-        for name, value in values.items():
-            flat[f"{_STATE}.{fqn}.{name}"] = value
-    for group in nested[_GROUPS]:
-        for fqn in group[_PARAMS]:
-            for option, value in _group_options(group).items():
-                flat[f"{_GROUPS}.{fqn}.{option}"] = value
-    return flat
-
-
-def _normalize(
-    osd: Mapping[str, Any], params: Mapping[str, _Entry]
-) -> tuple[_States, _GroupOptions]:
-    """Per-parameter state and group options from either form of ``osd``."""
-    if _STATE in osd and _GROUPS in osd:
-        states = {str(fqn): dict(values) for fqn, values in osd[_STATE].items()}
-        group_options = {
-            fqn: _group_options(group) for group in osd[_GROUPS] for fqn in group[_PARAMS]
-        }
-        return states, group_options
-    states = {}
-    group_options = {}
-    for key, value in osd.items():
-        head, _, rest = key.partition(".")
-        fqn, _, name = rest.rpartition(".")
-        if head not in (_STATE, _GROUPS) or not fqn:
-            raise StateDictError(
-                f"optimizer state dict key {key!r} is neither nested ('state', "
-                "'param_groups') nor flat ('state.<fqn>.<name>', 'param_groups.<fqn>.<option>');"
-                " pass a state dict from get_optimizer_state_dict"
-            )
-        target = states if head == _STATE else group_options
-        target.setdefault(fqn, {})[name] = value
-    return states, group_options
-
-
-def _check_unexpected(states: _States, params: Mapping[str, _Entry], strict: bool) -> None:
-    if strict:
-        unexpected = [fqn for fqn in states if fqn not in params]
-        if unexpected:
-            raise StateDictError(
-                f"set_optimizer_state_dict: the optimizer state dict has state for "
-                f"{unexpected[0]!r}, which no optimizer holds ({len(unexpected)} such "
-                "parameters); load a state dict of this model and optimizer, or pass "
-                "options=StateDictOptions(strict=False) to ignore them"
-            )
-
-
-def _indexed(
-    optim: torch.optim.Optimizer,
-    groups: list[list[_Entry]],
-    by_entry: Mapping[int, dict[str, Any]],
-    group_options: _GroupOptions,
-    *,
-    strict: bool,
-) -> dict[str, Any]:
-    """The positional state dict ``optim.load_state_dict`` takes."""
-    state: dict[int, dict[str, Any]] = {}
-    param_groups: list[dict[str, Any]] = []
-    index = 0
-    for group, entries in zip(optim.param_groups, groups, strict=True):
-        fqns = [fqn for entry in entries for fqn in entry.fqns]
-        loaded = next((group_options[f] for f in fqns if f in group_options), None)
-        if loaded is None:
-            if strict and fqns:
-                raise StateDictError(
-                    f"set_optimizer_state_dict: the optimizer state dict has no param group "
-                    f"holding {fqns[0]!r}; load a state dict of this model and optimizer, or "
-                    "pass options=StateDictOptions(strict=False) to keep this group's options"
-                )
-            loaded = _group_options(group)
-        ids = []
-        for entry in entries:
-            if id(entry.param) in by_entry:
-                state[index] = by_entry[id(entry.param)]
-            ids.append(index)
-            index += 1
-        param_groups.append({**loaded, _PARAMS: ids})
-    return {_STATE: state, _GROUPS: param_groups}
-
-
 def _like_param(key: str, value: Any, param: torch.Tensor, flat: ShardedParam | None = None) -> Any:
     """``value`` laid out like ``param`` when it has the parameter's shape; as is otherwise.
 
@@ -765,14 +363,110 @@ def _like_param(key: str, value: Any, param: torch.Tensor, flat: ShardedParam | 
     return shard_like(full_value(value), param, key=key, copy=True)
 
 
+# ------------------------------------------------------------------ optimizers
+
+
+def as_optimizer_list(
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+) -> list[torch.optim.Optimizer]:
+    """One optimizer or an iterable of them (a generator too, read once) as a list."""
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    return list(optimizers)
+
+
+# ------------------------------------------------------------------ forms
+
+
+def _flatten(nested: Mapping[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for fqn, values in nested[STATE].items():
+        for name, value in values.items():
+            flat[f"{STATE}.{fqn}.{name}"] = value
+    for group in nested[GROUPS]:
+        for fqn in group[PARAMS]:
+            for option, value in param_group_options(group).items():
+                flat[f"{GROUPS}.{fqn}.{option}"] = value
+    return flat
+
+
+def _normalize(osd: Mapping[str, Any], params: Mapping[str, Entry]) -> tuple[States, GroupOptions]:
+    """Per-parameter state and group options from either form of ``osd``."""
+    if STATE in osd and GROUPS in osd:
+        states = {str(fqn): dict(values) for fqn, values in osd[STATE].items()}
+        group_options = {
+            fqn: param_group_options(group) for group in osd[GROUPS] for fqn in group[PARAMS]
+        }
+        return states, group_options
+    states = {}
+    group_options = {}
+    for key, value in osd.items():
+        head, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        if head not in (STATE, GROUPS) or not fqn:
+            raise StateDictError(
+                f"optimizer state dict key {key!r} is neither nested ('state', "
+                "'param_groups') nor flat ('state.<fqn>.<name>', 'param_groups.<fqn>.<option>');"
+                " pass a state dict from get_optimizer_state_dict"
+            )
+        target = states if head == STATE else group_options
+        target.setdefault(fqn, {})[name] = value
+    return states, group_options
+
+
+def _check_unexpected(states: States, params: Mapping[str, Entry], strict: bool) -> None:
+    if strict:
+        unexpected = [fqn for fqn in states if fqn not in params]
+        if unexpected:
+            raise StateDictError(
+                f"set_optimizer_state_dict: the optimizer state dict has state for "
+                f"{unexpected[0]!r}, which no optimizer holds ({len(unexpected)} such "
+                "parameters); load a state dict of this model and optimizer, or pass "
+                "options=StateDictOptions(strict=False) to ignore them"
+            )
+
+
+def _indexed(
+    optim: torch.optim.Optimizer,
+    groups: list[list[Entry]],
+    by_entry: Mapping[int, dict[str, Any]],
+    group_options: GroupOptions,
+    *,
+    strict: bool,
+) -> dict[str, Any]:
+    """The positional state dict ``optim.load_state_dict`` takes."""
+    state: dict[int, dict[str, Any]] = {}
+    param_groups: list[dict[str, Any]] = []
+    index = 0
+    for group, entries in zip(optim.param_groups, groups, strict=True):
+        fqns = [fqn for entry in entries for fqn in entry.fqns]
+        loaded = next((group_options[f] for f in fqns if f in group_options), None)
+        if loaded is None:
+            if strict and fqns:
+                raise StateDictError(
+                    f"set_optimizer_state_dict: the optimizer state dict has no param group "
+                    f"holding {fqns[0]!r}; load a state dict of this model and optimizer, or "
+                    "pass options=StateDictOptions(strict=False) to keep this group's options"
+                )
+            loaded = param_group_options(group)
+        ids = []
+        for entry in entries:
+            if id(entry.param) in by_entry:
+                state[index] = by_entry[id(entry.param)]
+            ids.append(index)
+            index += 1
+        param_groups.append({**loaded, PARAMS: ids})
+    return {STATE: state, GROUPS: param_groups}
+
+
 # ------------------------------------------------------------------ broadcast
 
 
 def _skeleton_from_rank0(
-    osd: Mapping[str, Any], params: Mapping[str, _Entry]
-) -> tuple[_States, _GroupOptions]:
+    osd: Mapping[str, Any], params: Mapping[str, Entry]
+) -> tuple[States, GroupOptions]:
     """Rank 0's state with every tensor replaced by its :class:`TensorSpec`, on every rank."""
-    skeleton: tuple[_States, _GroupOptions] | StateDictError | None = None
+    skeleton: tuple[States, GroupOptions] | StateDictError | None = None
     if rank() == 0:
         try:
             states, group_options = _normalize(osd, params)
@@ -824,7 +518,7 @@ def _specs(fqn: str, values: Mapping[str, Any]) -> dict[str, Any]:
 
 def _osd_value(osd: Mapping[str, Any], fqn: str, name: str) -> torch.Tensor:
     """Rank 0's tensor for ``fqn``'s state ``name``, in either form."""
-    value = osd[_STATE][fqn][name] if _STATE in osd else osd[f"{_STATE}.{fqn}.{name}"]
+    value = osd[STATE][fqn][name] if STATE in osd else osd[f"{STATE}.{fqn}.{name}"]
     assert isinstance(value, torch.Tensor)
     return value
 
@@ -839,7 +533,7 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
     """
     if optim.state:
         return
-    params = [p for group in optim.param_groups for p in group[_PARAMS]]
+    params = [p for group in optim.param_groups for p in group[PARAMS]]
     if any(p.grad is not None for p in params):
         return
     saved_lrs = []
@@ -858,76 +552,3 @@ def _init_state(optim: torch.optim.Optimizer) -> None:
             if lr is not None:
                 group["lr"] = lr
         optim.zero_grad(set_to_none=True)
-
-
-# ------------------------------------------------------------------ rekeying
-
-
-def rekey_optimizer_state_dict(
-    optim_state_dict: Mapping[str, Any],
-    key_type: str,
-    model: nn.Module,
-    optim: torch.optim.Optimizer | None,
-) -> dict[str, Any]:
-    """``optim_state_dict`` keyed by name (``"PARAM_NAME"``) or by position (``"PARAM_ID"``).
-
-    Positions count the parameters of ``optim`` in its param groups' order
-    (one position per original parameter, even when a wrapper unit's flat
-    shard holds several), or ``model``'s parameters in module order when
-    ``optim`` is ``None``: what a plain optimizer over the unwrapped model
-    numbers them. No communication.
-    """
-    if key_type not in ("PARAM_NAME", "PARAM_ID"):
-        raise ValueError(f"key type must be PARAM_NAME or PARAM_ID, got {key_type!r}")
-    if optim is not None:
-        order = [fqn for entry in _all_entries(_entries(model, [optim])) for fqn in entry.fqns]
-    else:
-        order = _model_param_order(model)
-    if key_type == "PARAM_ID":
-        position = {fqn: i for i, fqn in enumerate(order)}
-
-        def rekey(key: Any) -> Any:
-            if isinstance(key, int):
-                return key
-            if key not in position:
-                raise StateDictError(
-                    f"rekey_optim_state_dict: {key!r} is not a parameter of the model; "
-                    "rekey a state dict of this model"
-                )
-            return position[key]
-
-    else:
-
-        def rekey(key: Any) -> Any:
-            if isinstance(key, str):
-                return key
-            if not 0 <= key < len(order):
-                raise StateDictError(
-                    f"rekey_optim_state_dict: parameter id {key} is out of range: the model "
-                    f"has {len(order)} parameters; rekey a state dict of this model"
-                )
-            return order[key]
-
-    # ``Optimizer.load_state_dict`` pairs parameters by their order in the groups:
-    # positions go in ascending order, as a plain optimizer lists them.
-    groups = []
-    for group in optim_state_dict[_GROUPS]:
-        keys = [rekey(k) for k in group[_PARAMS]]
-        groups.append({**group, _PARAMS: sorted(keys) if key_type == "PARAM_ID" else keys})
-    state = {rekey(k): v for k, v in optim_state_dict[_STATE].items()}
-    if key_type == "PARAM_ID":
-        state = dict(sorted(state.items()))
-    return {_STATE: state, _GROUPS: groups}
-
-
-def _model_param_order(model: nn.Module) -> list[str]:
-    """The unwrapped model's parameter names in module order (flat shards expanded)."""
-    units = {id(unit.flat_param): unit for unit in flat_units(model) if unit.flat_param is not None}
-    names: list[str] = []
-    for name, param in model.named_parameters():
-        unit = units.get(id(param))
-        if unit is None:
-            names.append(clean_fqn(name))
-        else:
-            names.extend(p.keys[0] for p in unit.params)
-    return list(in_module_order(model, dict.fromkeys(names), set(names)))

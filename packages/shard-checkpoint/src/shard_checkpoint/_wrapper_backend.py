@@ -3,7 +3,7 @@
 The wrapper lives below this package, so it cannot import it; it asks the
 registry for a :class:`~shard_core.protocols.StateDictBackend` and this
 module answers (``shard_checkpoint.plugin``). Everything is the functional
-API's own code (``_model.py``, ``_optim.py``) under the wrapper's names:
+API's own code (``_model.py``, ``_optim*.py``) under the wrapper's names:
 ``StateDictType`` members arrive as their names, config options as keywords.
 """
 
@@ -16,11 +16,8 @@ import torch
 from torch import nn
 
 from shard_checkpoint._model import Caller, Kind, load_model_state_dict, model_state_dict
-from shard_checkpoint._optim import (
-    optimizer_state_dict,
-    optimizer_state_dict_to_load,
-    rekey_optimizer_state_dict,
-)
+from shard_checkpoint._optim import optimizer_state_dict, optimizer_state_dict_to_load
+from shard_checkpoint._optim_rekey import rekey_optimizer_state_dict
 
 __all__ = ["WrapperStateDictBackend"]
 

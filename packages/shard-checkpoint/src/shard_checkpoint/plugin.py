@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shard_checkpoint._wrapper_backend import WrapperStateDictBackend
-from shard_core.plugin import hookimpl
+from shard_core import hookimpl
 from shard_core.protocols import StateDictBackend
 
 __all__ = ["shard_state_dict_backend"]
