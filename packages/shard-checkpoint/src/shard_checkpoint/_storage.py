@@ -37,7 +37,7 @@ import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,12 +96,7 @@ def save(
             the previous checkpoint is untouched).
     """
     path = Path(checkpoint_id)
-    staging = broadcast_object(
-        _prepare_save(path) if rank(process_group) == 0 else None, process_group
-    )
-    if isinstance(staging, CheckpointError):
-        raise staging
-    assert isinstance(staging, str)
+    staging = _decided_on_rank0(lambda: _prepare_save(path), process_group)
     try:
         with quiet_single_process():
             metadata = dcp_save(
@@ -164,12 +159,7 @@ def load(
             message names the first offending key.
     """
     path = Path(checkpoint_id)
-    resolved = broadcast_object(
-        _resolve_or_error(path) if rank(process_group) == 0 else None, process_group
-    )
-    if isinstance(resolved, CheckpointError):
-        raise resolved
-    assert isinstance(resolved, str)
+    resolved = _decided_on_rank0(lambda: _resolve_or_error(path), process_group)
     if planner is None:
         planner = _CheckingLoadPlanner(resolved, allow_partial_load=not strict)
     try:
@@ -201,11 +191,29 @@ def resolve_checkpoint(checkpoint_id: str | os.PathLike[str]) -> Path:
     return Path(resolved)
 
 
-# ------------------------------------------------------------------ save steps
+# ------------------------------------------------------------------ ranks
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _decided_on_rank0(
+    decide: Callable[[], str | CheckpointError], process_group: dist.ProcessGroup | None
+) -> str:
+    """Rank 0's answer (a directory) on every rank, or its error raised on every rank.
+
+    Only rank 0 looks at the file system, so the ranks cannot disagree about
+    what is there (a shared directory another rank sees a moment later).
+    """
+    answer = broadcast_object(decide() if rank(process_group) == 0 else None, process_group)
+    if isinstance(answer, CheckpointError):
+        raise answer
+    assert isinstance(answer, str)
+    return answer
+
+
+# ------------------------------------------------------------------ save steps
 
 
 def _prepare_save(path: Path) -> str | CheckpointError:
