@@ -139,8 +139,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
 from torch.futures import Future
 
-from shard_checkpoint import CheckpointError
-from shard_checkpoint._storage import load, save
+from shard_checkpoint import CheckpointError, load, save
 from shard_comms import build_mesh
 from shard_core.errors import (
     LayoutError,

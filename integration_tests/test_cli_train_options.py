@@ -31,8 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard_cli._corpus import CharCorpus, TokenFile, load_data
-from shard_cli._options import TrainOptions
+from shard_cli import CharCorpus, TrainOptions
+from shard_cli._corpus import TokenFile, load_data
 from shard_cli._schedule import lr_at
 from shard_cli._train import model_config
 from shard_cli.gpt import GPT

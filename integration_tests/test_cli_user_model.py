@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_cli import CharCorpus
 from shard_cli.__main__ import main as shard_main
-from shard_cli._corpus import CharCorpus
 from shard_cli._materialise import hf_module_init, materialise, parameters_on_meta
 
 STEPS, BATCH, SEQ, LR, SEED = 4, 4, 16, 1e-2, 0
