@@ -37,11 +37,21 @@ decides *where* the bytes live (per-parameter or flat layout).
   collective by a user's object (see shard-comms' ``custom_all_gather``);
 - ``comm_allocator`` takes the collectives' buffers from the process group's
   allocator where its backend has one (``"process_group"``, ``"symm_mem"``).
+
+[Note: Gradient hooks hold the unit weakly]
+A post-accumulate-grad hook is kept alive by the autograd engine's C++ side
+of the unsharded parameter, where Python's cycle collector cannot see it. A
+hook that held the unit strongly (a bound method) closed a cycle unit ->
+group -> unsharded parameter -> hook -> unit that ``gc`` never collects: the
+whole module stayed alive after ``del model``. So the hook holds the unit by
+a weak reference; the unit lives as long as its module (module -> state ->
+unit), and a hook that outlives it does nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -236,7 +246,7 @@ class Unit:
         """(Re)build the unsharded face in the compute dtype and hook its gradients."""
         self._materialized = False  # shards may be new (``to_empty``): check them again
         # See [Note: torch.compile] in _compile.py.
-        on_grad_ready = eager_hook(self._on_grad_ready, "post-accumulate-grad hook")
+        on_grad_ready = eager_hook(_weak_grad_hook(self), "post-accumulate-grad hook")
         self.group.init_compute(self.mp_policy.param_dtype, self.compute_device, on_grad_ready)
 
     def reset_after_apply(self) -> None:
@@ -498,3 +508,18 @@ class Unit:
         )
         reduce_gradient(full, output, reducer, hook)
         return PendingReduce(CommHandle(None, None), lambda: self.group.accumulate(output))
+
+
+def _weak_grad_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
+    """``unit._on_grad_ready``, holding the unit weakly.
+
+    See [Note: Gradient hooks hold the unit weakly].
+    """
+    ref = weakref.ref(unit)
+
+    def on_grad_ready(param: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad_ready(param)
+
+    return on_grad_ready
