@@ -6,7 +6,7 @@ and options of a training run, the wrap plan and per-rank memory estimate
 demo's model lives in the public module :mod:`shard_cli.gpt`.
 """
 
-from shard_cli._ckpt_command import CheckpointEntry, CheckpointInfo, inspect_checkpoint
+from shard_cli._ckpt_inspect import CheckpointEntry, CheckpointInfo, inspect_checkpoint
 from shard_cli._corpus import CharCorpus, load_corpus
 from shard_cli._options import TrainOptions, resolve_options
 from shard_cli._plan import (

@@ -1,112 +1,25 @@
 """``shard ckpt inspect`` and ``shard ckpt consolidate``: a checkpoint without a training job.
 
 Both read only ``torch.distributed.checkpoint`` metadata and files (one
-process, no process group): ``inspect`` lists every key with its full
-shape, dtype and size, the number of ranks that wrote the checkpoint and the
-total size; ``consolidate`` is shard-checkpoint's streaming export to one
-safetensors or ``torch.save`` file.
+process, no process group): ``inspect`` prints :func:`inspect_checkpoint`
+(``_ckpt_inspect.py``): every key with its full shape, dtype and size, the
+number of ranks that wrote the checkpoint and the total size;
+``consolidate`` is shard-checkpoint's streaming export to one safetensors
+or ``torch.save`` file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-from shard_checkpoint import CheckpointError, consolidate, resolve_checkpoint
+from shard_checkpoint import CheckpointError, consolidate
+from shard_cli._ckpt_inspect import inspect_checkpoint
 from shard_cli._report import format_bytes
 
-__all__ = ["CheckpointEntry", "CheckpointInfo", "add_ckpt_parser", "inspect_checkpoint"]
-
-_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-
-
-@dataclass(frozen=True)
-class CheckpointEntry:
-    """One key of a checkpoint.
-
-    Attributes:
-        key: The flat key (``"model.blocks.0.attn.qkv.weight"``).
-        shape: The full (unsharded) shape; ``None`` for a non-tensor value.
-        dtype: The dtype's name (``"float32"``); ``"object"`` for a non-tensor value.
-        nbytes: The full tensor's size (0 for a non-tensor value).
-        chunks: How many saved pieces make it up (one per shard written).
-    """
-
-    key: str
-    shape: tuple[int, ...] | None
-    dtype: str
-    nbytes: int
-    chunks: int
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What ``shard ckpt inspect`` reports.
-
-    Attributes:
-        path: The complete checkpoint directory read.
-        entries: Every key, in the checkpoint's order.
-        world_size: Ranks that wrote it (from the names of its data files).
-        tensor_bytes: Sum of the full tensors' sizes.
-        file_bytes: Sum of the sizes of the files in the directory.
-    """
-
-    path: Path
-    entries: tuple[CheckpointEntry, ...]
-    world_size: int
-    tensor_bytes: int
-    file_bytes: int
-
-
-def inspect_checkpoint(checkpoint_id: str | Path) -> CheckpointInfo:
-    """Read the metadata of the checkpoint at ``checkpoint_id``.
-
-    Raises:
-        shard_checkpoint.CheckpointError: no complete checkpoint there.
-    """
-    path = resolve_checkpoint(checkpoint_id)
-    metadata = FileSystemReader(path).read_metadata()
-    entries = []
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            dtype = entry.properties.dtype
-            shape = tuple(entry.size)
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            entries.append(
-                CheckpointEntry(
-                    key=key,
-                    shape=shape,
-                    dtype=str(dtype).removeprefix("torch."),
-                    nbytes=numel * torch.empty((), dtype=dtype).element_size(),
-                    chunks=len(entry.chunks),
-                )
-            )
-        else:
-            entries.append(CheckpointEntry(key=key, shape=None, dtype="object", nbytes=0, chunks=1))
-    ranks: set[int] = set()
-    storage = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
-    for info in storage.values():
-        match = _RANK_FILE.search(str(getattr(info, "relative_path", "")))
-        if match:
-            ranks.add(int(match.group(1)))
-    return CheckpointInfo(
-        path=path,
-        entries=tuple(entries),
-        world_size=max(ranks) + 1 if ranks else 1,
-        tensor_bytes=sum(e.nbytes for e in entries),
-        file_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
-    )
+__all__ = ["add_ckpt_parser"]
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ from shard_checkpoint import (
 
 __all__ = [
     "LAUNCH_ENV",
-    "CheckpointInfo",
+    "TrainCheckpointInfo",
     "launch_id",
     "load_training",
     "read_info",
@@ -59,7 +59,7 @@ def launch_id() -> str:
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class TrainCheckpointInfo:
     """What a checkpoint says about itself, read without a process group.
 
     Attributes:
@@ -125,7 +125,7 @@ def load_training(
     return step
 
 
-def read_info(path: str | os.PathLike[str]) -> CheckpointInfo | None:
+def read_info(path: str | os.PathLike[str]) -> TrainCheckpointInfo | None:
     """The step and launch of the checkpoint at ``path`` (one process, no group).
 
     ``None`` if there is no complete, readable checkpoint there: an
@@ -140,7 +140,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo | None:
     step, launch = state["train"]["step"], state["train"]["launch"]
     if not isinstance(step, int) or step < 0:
         return None
-    return CheckpointInfo(step=step, launch=launch if isinstance(launch, str) else "")
+    return TrainCheckpointInfo(step=step, launch=launch if isinstance(launch, str) else "")
 
 
 def read_step(path: str | os.PathLike[str]) -> int | None:
