@@ -127,14 +127,12 @@ def flat_units(model: nn.Module) -> list[FlatUnit]:
     Keys are relative to ``model`` and free of the wrapper's
     ``_fsdp_wrapped_module`` segments.
     """
-    from shard_runtime._wrapper import FullyShardedDataParallel
-
     names = {id(m): clean_fqn(n) for n, m in model.named_modules(remove_duplicate=False)}
     units: list[FlatUnit] = []
     seen: set[int] = set()
+    # Only the wrapper builds flat groups, so a flat group marks a wrapper's unit
+    # (no import of _wrapper.py, which imports this module).
     for wrapper in model.modules():
-        if not isinstance(wrapper, FullyShardedDataParallel):
-            continue
         state = get_state(wrapper)
         if state is None or id(state) in seen:
             continue

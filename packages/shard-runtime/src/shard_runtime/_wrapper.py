@@ -38,7 +38,6 @@ non-``None`` state that is not shard's reducer means PyTorch's kind.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import warnings
 import weakref
@@ -50,10 +49,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import DefaultGradReducer, all_gather
+from shard_comms import DefaultGradReducer
 from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_mesh
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
+from shard_runtime._clip import clip_grad_norm
 from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
 from shard_runtime._flat_units import record_buffer_dtype
 from shard_runtime._options import MixedPrecisionPolicy
@@ -67,11 +67,13 @@ from shard_runtime._state_dict_type import (
     StateDictType,
     settings_of,
 )
-from shard_runtime._unit import ShardedState, TrainingState, Unit
+from shard_runtime._summon import FLAT_PARAM, SummonMethods, summon
+from shard_runtime._unit import TrainingState, Unit
 from shard_runtime._wrap import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
     materialize_module,
     move_to_device,
+    requested_device,
     resolve_ignored,
 )
 from shard_runtime._wrapper_init import (
@@ -90,7 +92,6 @@ from shard_runtime._wrapper_options import (
 __all__ = ["FullyShardedDataParallel"]
 
 _WRAPPED = "_fsdp_wrapped_module"
-_FLAT_PARAM = "_flat_param"
 
 
 class _Shared:
@@ -109,7 +110,7 @@ class _Shared:
         self.ignored_params = ignored_params
 
 
-class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
+class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
     """Shard ``module``'s parameters as flat buffers across ranks; PyTorch's wrapper API.
 
     Args mirror ``torch.distributed.fsdp.FullyShardedDataParallel``:
@@ -229,7 +230,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
             keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         )
         if group.flat_param is not None:
-            self.register_parameter(_FLAT_PARAM, group.flat_param)
+            self.register_parameter(FLAT_PARAM, group.flat_param)
         policy = MixedPrecisionPolicy(
             param_dtype=mp.param_dtype if mp else None,
             reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None,
@@ -300,10 +301,10 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
 
         See [Note: parameter names].
         """
-        flat = {id(w._parameters.get(_FLAT_PARAM)) for w in self.fsdp_modules(self)}
+        flat = {id(w._parameters.get(FLAT_PARAM)) for w in self.fsdp_modules(self)}
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             if id(param) in flat:
-                name = name[: -len(_FLAT_PARAM)] + f"{_WRAPPED}.{_FLAT_PARAM}"
+                name = name[: -len(FLAT_PARAM)] + f"{_WRAPPED}.{FLAT_PARAM}"
             yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), param
 
     def named_buffers(
@@ -503,7 +504,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter in this tree to a global norm; return it."""
-        return _clip_grad_norm(self, float(max_norm), float(norm_type))
+        return clip_grad_norm(self, float(max_norm), float(norm_type))
 
     # ------------------------------------------------------------------ static helpers
 
@@ -516,36 +517,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, nn.Module):
         inner = {id(m) for w in found for m in w.module.modules() if m is not w}
         return [m for m in found if id(m) not in inner]
 
-    @staticmethod
-    @contextlib.contextmanager
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> Iterator[None]:
-        """Expose full, full-precision parameters inside the block; write changes back.
-
-        Inside, the summoned wrappers' ``named_parameters()`` list the original
-        parameters under their unwrapped names (``blocks.0.up.weight``), as
-        ``nn.Parameter`` s of full shape that in-place edits change; with
-        ``writeback`` each rank copies its slice back into its shard on exit
-        (see [Note: parameter names]). ``recurse=False`` summons this wrapper's
-        unit only. ``rank0_only`` gathers everywhere but only rank 0 sees full
-        parameters (no ``writeback``: ``NotImplementedError``);
-        ``offload_to_cpu`` keeps the full copies on the CPU (warned about
-        without ``rank0_only``); ``with_grads`` (``use_orig_params=True`` only,
-        else ``NotImplementedError``) also shows full gradients. Entering it
-        again for a wrapper already inside is an ``AssertionError``, as in PyTorch.
-        """
-        with _summon(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
-            yield
-
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` on full parameters (gathered, then written back)."""
-        with _summon(self, True, True, False, False, False):
+        with summon(self, True, True, False, False, False):
             super().apply(fn)
         return self
 
@@ -573,7 +547,7 @@ def _prepare(
             f"{type(param_init_fn).__name__}"
         )
     modules, params = resolve_ignored(module, ignored_modules, ignored_states)
-    device = _device_of(device_id)
+    device = requested_device(device_id)
     materialize_module(module, param_init_fn, device, modules)
     compute_device = move_to_device(module, device_id, params)
     mesh = _mesh_for(strategy, process_group, device_mesh, auto_wrap, compute_device.type)
@@ -589,18 +563,6 @@ def _prepare(
                 fingerprint_groups=[mesh.get_group(a) for a in axes] if axis == axes[0] else [],
             )
     return _Shared(mesh, compute_device, modules, params)
-
-
-def _device_of(device_id: int | torch.device | None) -> torch.device:
-    if device_id is None:
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else (torch.device("cpu"))
-        )
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    return torch.device(device_id)
 
 
 def _mesh_for(
@@ -826,7 +788,7 @@ def _restore_prefixes(
     its own segment: ``<prefix>rest`` becomes ``<prefix>_fsdp_wrapped_module.rest``
     for every key under the wrapper but its own flat parameter.
     """
-    own = prefix + _FLAT_PARAM
+    own = prefix + FLAT_PARAM
     inner = prefix + WRAPPED_PREFIX
     for key in [
         k for k in state_dict if k.startswith(prefix) and k != own and not k.startswith(inner)
@@ -905,191 +867,3 @@ def _state(wrapper: FullyShardedDataParallel) -> ShardState:
     state = get_state(wrapper)
     assert state is not None
     return state
-
-
-# ---------------------------------------------------------------------- gradient clipping
-
-
-def _clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
-    """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
-    states = states_in([root])
-    held: dict[int, nn.Parameter] = {}
-    shard_group: dist.ProcessGroup | None = None
-    shard_world = 1
-    for s in states:
-        group = s.unit.group
-        assert isinstance(group, FlatParamGroup)
-        shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
-        held.update((id(p), p) for p in group.registered_params())
-    # The model's parameter order, as PyTorch sums the per-parameter norms: the float
-    # sum then rounds as there (NO_SHARD and one-rank norms are bitwise PyTorch's).
-    order = {id(p): i for i, p in enumerate(root.parameters())}
-    ordered = sorted(held.values(), key=lambda p: order.get(id(p), len(order)))
-    sharded = [p.grad for p in ordered if p.grad is not None]
-    replicated = [p.grad for p in root.parameters() if id(p) not in held and p.grad is not None]
-    device = (sharded or replicated or [torch.zeros(())])[0].device
-    if math.isinf(norm_type):
-        local = _norm(sharded, norm_type, device)
-        if shard_group is not None and shard_world > 1:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=shard_group)
-        total = torch.maximum(local, _norm(replicated, norm_type, device))
-    else:
-        local = _norm(sharded, norm_type, device) ** norm_type
-        if shard_group is not None and shard_world > 1:
-            dist.all_reduce(local, group=shard_group)
-        total = (local + _norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for grad in (*sharded, *replicated):
-            grad.mul_(coef.to(grad.dtype))
-    return total
-
-
-def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-    total: torch.Tensor = torch.linalg.vector_norm(norms, norm_type)
-    return total
-
-
-# ---------------------------------------------------------------------- summon_full_params
-
-
-@contextlib.contextmanager
-def _summon(
-    module: nn.Module,
-    recurse: bool,
-    writeback: bool,
-    rank0_only: bool,
-    offload_to_cpu: bool,
-    with_grads: bool,
-) -> Iterator[None]:
-    if rank0_only and writeback:
-        raise NotImplementedError(
-            "summon_full_params: rank0_only=True cannot write back (other ranks see no full "
-            "parameters); pass writeback=False"
-        )
-    if recurse:
-        states = states_in([module])
-    else:
-        own = get_state(module)
-        states = [own] if own is not None else []
-    if offload_to_cpu and not rank0_only:
-        warnings.warn(
-            "summon_full_params: offload_to_cpu=True without rank0_only=True puts a full copy "
-            "of the parameters in CPU memory on every rank (several per host); pass "
-            "rank0_only=True unless every rank needs them",
-            UserWarning,
-            stacklevel=5,  # the user's ``with``: past two context-manager frames
-        )
-    for s in states:
-        if s.unit.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                "summon_full_params: cannot run during forward or backward; call it between steps"
-            )
-        owner = s.modules[0]
-        if isinstance(owner, FullyShardedDataParallel) and owner._in_summon:
-            raise AssertionError(
-                f"summon_full_params: the wrapper around {type(owner.module).__name__} is "
-                "already inside summon_full_params; its parameters are full there already: "
-                "use them without entering the context again"
-            )
-        group = s.unit.group
-        if with_grads and not (isinstance(group, FlatParamGroup) and group.use_orig_params):
-            raise NotImplementedError(
-                f"summon_full_params: with_grads=True needs use_orig_params=True, but the unit "
-                f"{s.unit.label!r} was wrapped with use_orig_params=False; wrap with "
-                "use_orig_params=True to see full gradients"
-            )
-    with contextlib.ExitStack() as stack:
-        for s in states:
-            stack.enter_context(_summon_unit(s, writeback, rank0_only, offload_to_cpu, with_grads))
-        yield
-
-
-@contextlib.contextmanager
-def _summon_unit(
-    state: ShardState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
-) -> Iterator[None]:
-    wrapper = state.modules[0]
-    if not isinstance(wrapper, FullyShardedDataParallel):
-        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, None):
-            yield
-        return
-    was_in_summon = wrapper._in_summon
-    wrapper._in_summon = True
-    try:
-        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, wrapper):
-            yield
-    finally:
-        wrapper._in_summon = was_in_summon
-
-
-@contextlib.contextmanager
-def _summon_group(
-    state: ShardState,
-    writeback: bool,
-    rank0_only: bool,
-    offload_to_cpu: bool,
-    with_grads: bool,
-    wrapper: FullyShardedDataParallel | None,
-) -> Iterator[None]:
-    unit = state.unit
-    group = unit.group
-    if group.is_empty or not isinstance(group, FlatParamGroup):
-        yield
-        return
-    if unit.sharded_state is not ShardedState.SHARDED:
-        unit.reshard()
-    device = unit.compute_device
-    shard = group.shard.to(device)
-    full = torch.empty(unit.shard_world * shard.numel(), dtype=shard.dtype, device=device)
-    all_gather(full, shard, unit.shard_group, label=f"{unit.comm_label} summon").wait()
-    full_grad: torch.Tensor | None = None
-    had_grad: list[bool] = []
-    if with_grads:
-        had_grad = [spec.param.grad is not None for spec in group.specs]
-        local_grad = torch.zeros_like(shard)
-        for spec, info in zip(group._shard_specs(), group.meta.params, strict=True):
-            if spec.param.grad is not None:
-                local_grad.narrow(0, info.offset_in_range, info.numel_in_range).copy_(
-                    spec.param.grad.reshape(-1)
-                )
-        full_grad = torch.empty_like(full)
-        all_gather(
-            full_grad, local_grad, unit.shard_group, label=f"{unit.comm_label} summon"
-        ).wait()
-    if rank0_only and dist.get_rank() != 0:
-        yield  # this rank only took part in the gather
-        return
-    if offload_to_cpu:
-        full = full.cpu()
-        full_grad = full_grad.cpu() if full_grad is not None else None
-    rank = unit.mesh.get_local_rank(unit.mesh.ndim - 1)
-    n = shard.numel()
-    # Inside, the originals stand in for the flat parameter (see [Note: parameter names]).
-    with contextlib.ExitStack() as restore:
-        flat = wrapper._parameters.pop(_FLAT_PARAM, None) if wrapper is not None else None
-        if wrapper is not None and flat is not None:
-            restore.callback(wrapper._parameters.__setitem__, _FLAT_PARAM, flat)
-        restore.enter_context(group.full_precision_views(full))
-        if full_grad is not None:
-            for spec, grad in zip(group.specs, group._views(full_grad), strict=True):
-                spec.param.grad = grad
-        try:
-            yield
-        finally:
-            if writeback:
-                with torch.no_grad():
-                    group.shard.copy_(full[rank * n : (rank + 1) * n])
-            if full_grad is not None:
-                for spec in group.specs:
-                    spec.param.grad = None
-    if full_grad is not None:
-        # Back on the shard views: restore each parameter's sharded gradient, and no
-        # gradient where there was none (an optimizer treats zeros and None differently).
-        group.accumulate(full_grad[rank * n : (rank + 1) * n].to(unit.compute_device))
-        for spec, had in zip(group.specs, had_grad, strict=True):
-            if not had:
-                spec.param.grad = None

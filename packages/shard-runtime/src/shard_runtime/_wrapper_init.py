@@ -42,12 +42,20 @@ from torch import nn
 from shard_comms import broadcast, get_device_handle
 from shard_core.errors import DeviceUnavailableError, LayoutError
 from shard_runtime._fingerprint import check_same_tensors
-from shard_runtime._fully_shard import FSDPModule
+from shard_runtime._state import get_state
 
-__all__ = ["materialize_module", "move_to_device", "resolve_ignored", "sync_module_states"]
+__all__ = [
+    "materialize_module",
+    "move_to_device",
+    "requested_device",
+    "resolve_ignored",
+    "sync_module_states",
+]
 
 _WHO = "FullyShardedDataParallel"
-_WRAPPER_CLASS_NAME = "FullyShardedDataParallel"
+# A wrapper from another library (PyTorch's, FairScale's): recognised by its class name,
+# since product code never imports torch.distributed.fsdp. See _is_sharded.
+_FOREIGN_WRAPPER_NAME = "FullyShardedDataParallel"
 _MAX_LISTED = 3  # culprits named in one message before "and N more"
 
 
@@ -352,6 +360,22 @@ def move_to_device(
     return target
 
 
+def requested_device(device_id: object) -> torch.device:
+    """The device ``device_id`` asks for; ``None``: the current device of shard's device handle.
+
+    An int is an index on the machine's accelerator (``torch.accelerator``);
+    on a machine without one ``None`` is the CPU.
+
+    Raises:
+        DeviceUnavailableError: ``device_id`` names a device this machine does
+            not have.
+        TypeError: ``device_id`` is not an int, a ``torch.device`` or ``None``.
+    """
+    if device_id is None:
+        return get_device_handle().current_device()
+    return _resolve_device(device_id)
+
+
 def _resolve_device(device_id: object) -> torch.device:
     accelerator = torch.accelerator.current_accelerator()
     if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
@@ -468,8 +492,14 @@ def sync_module_states(
 
 
 def _is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule) or any(
-        cls.__name__ == _WRAPPER_CLASS_NAME for cls in type(module).__mro__
+    """Whether ``module`` is already sharded: by shard (either front end) or another library.
+
+    Both of shard's front ends leave their hook state on the module they
+    manage, so shard's own wrapper is known by that, not by name; a foreign
+    wrapper is known by its class name only.
+    """
+    return get_state(module) is not None or any(
+        cls.__name__ == _FOREIGN_WRAPPER_NAME for cls in type(module).__mro__
     )
 
 

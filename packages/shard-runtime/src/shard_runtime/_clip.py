@@ -1,0 +1,62 @@
+"""``FullyShardedDataParallel.clip_grad_norm_``: one global norm over sharded and whole gradients.
+
+A flat unit's gradient lives in shards: each rank's share of the norm is
+summed (or, for the inf-norm, maxed) across the shard group, then combined
+with the norm of the gradients every rank holds whole (ignored modules).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shard_runtime._flat_param import FlatParamGroup
+from shard_runtime._state import states_in
+
+__all__ = ["clip_grad_norm"]
+
+
+def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
+    states = states_in([root])
+    held: dict[int, nn.Parameter] = {}
+    shard_group: dist.ProcessGroup | None = None
+    shard_world = 1
+    for s in states:
+        group = s.unit.group
+        assert isinstance(group, FlatParamGroup)
+        shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
+        held.update((id(p), p) for p in group.registered_params())
+    # The model's parameter order, as PyTorch sums the per-parameter norms: the float
+    # sum then rounds as there (NO_SHARD and one-rank norms are bitwise PyTorch's).
+    order = {id(p): i for i, p in enumerate(root.parameters())}
+    ordered = sorted(held.values(), key=lambda p: order.get(id(p), len(order)))
+    sharded = [p.grad for p in ordered if p.grad is not None]
+    replicated = [p.grad for p in root.parameters() if id(p) not in held and p.grad is not None]
+    device = (sharded or replicated or [torch.zeros(())])[0].device
+    if math.isinf(norm_type):
+        local = _norm(sharded, norm_type, device)
+        if shard_group is not None and shard_world > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=shard_group)
+        total = torch.maximum(local, _norm(replicated, norm_type, device))
+    else:
+        local = _norm(sharded, norm_type, device) ** norm_type
+        if shard_group is not None and shard_world > 1:
+            dist.all_reduce(local, group=shard_group)
+        total = (local + _norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for grad in (*sharded, *replicated):
+            grad.mul_(coef.to(grad.dtype))
+    return total
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+    total: torch.Tensor = torch.linalg.vector_norm(norms, norm_type)
+    return total
