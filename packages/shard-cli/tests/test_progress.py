@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import io
 
-from shard_cli._progress import Progress, format_duration, format_rate
-from shard_cli._report import format_bytes
+from shard_cli._format import format_bytes, format_duration, format_rate
+from shard_cli._progress import Progress
 
 
 def test_formats() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from shard_checkpoint import CheckpointError, consolidate
 from shard_cli._ckpt_inspect import inspect_checkpoint
-from shard_cli._report import format_bytes
+from shard_cli._format import format_bytes
 
 __all__ = ["add_ckpt_parser"]
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
+from shard_cli._format import format_bytes
 from shard_cli._model_source import ModelSource, load_model_source
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, Frontend, Precision, Strategy
 from shard_cli._plan import (
@@ -31,7 +32,6 @@ from shard_cli._plan import (
     unsharded_memory,
 )
 from shard_cli._presets import PRESETS
-from shard_cli._report import format_bytes
 from shard_cli._strategy import compute_dtype, resolve_policy
 from shard_core.errors import ShardError
 

@@ -10,25 +10,11 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-__all__ = ["Progress", "format_duration", "format_rate"]
+from shard_cli._format import format_duration, format_rate
+
+__all__ = ["Progress"]
 
 _BAR = 24
-
-
-def format_duration(seconds: float) -> str:
-    """``75.2`` -> ``"1:15"``; ``3725`` -> ``"1:02:05"``."""
-    total = max(0, round(seconds))
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-def format_rate(per_second: float) -> str:
-    """``12345.6`` -> ``"12.3k"``; ``999`` -> ``"999"``."""
-    for limit, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if per_second >= limit:
-            return f"{per_second / limit:.1f}{suffix}"
-    return f"{per_second:.0f}"
 
 
 class Progress:

@@ -6,22 +6,12 @@ without running anything.
 
 from __future__ import annotations
 
-from shard_cli._progress import format_duration, format_rate
+from shard_cli._format import format_bytes, format_duration, format_rate
 from shard_cli._summary import RunSummary
 
-__all__ = ["format_bytes", "summary_lines"]
+__all__ = ["summary_lines"]
 
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def format_bytes(nbytes: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; ``3 * 2**30`` -> ``"3.0 GiB"``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _mb(nbytes: float) -> str:
