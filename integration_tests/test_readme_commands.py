@@ -14,7 +14,7 @@ from torch import nn
 
 from shard_cli.__main__ import main as shard_main
 from shard_core import plan_wraps
-from shard_runtime import resolve_wrap_policy
+from shard_runtime.plumbing import resolve_wrap_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

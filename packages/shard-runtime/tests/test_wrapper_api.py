@@ -24,9 +24,9 @@ from shard_runtime import (
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
-    clean_fqn,
     fully_shard,
 )
+from shard_runtime.plumbing import clean_fqn
 from shard_testing import RankPool
 from shard_testing.compat import error as _error
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches

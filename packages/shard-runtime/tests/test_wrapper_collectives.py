@@ -24,8 +24,8 @@ from shard_runtime import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
-    clean_fqn,
 )
+from shard_runtime.plumbing import clean_fqn
 from shard_testing import RankPool
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches
 

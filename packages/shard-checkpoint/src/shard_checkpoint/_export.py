@@ -63,13 +63,8 @@ from shard_checkpoint._safetensors import SAFETENSORS_DTYPES, write_safetensors
 from shard_checkpoint._storage import INCOMPLETE_MARK, _fsync_directory
 from shard_checkpoint._tensors import full_value
 from shard_checkpoint._torch_file import TensorPlaceholder, write_torch_file
-from shard_runtime import (
-    FlatUnit,
-    FullyShardedDataParallel,
-    clean_fqn,
-    flat_units,
-    original_buffer_dtypes,
-)
+from shard_runtime import FullyShardedDataParallel
+from shard_runtime.plumbing import FlatUnit, clean_fqn, flat_units, original_buffer_dtypes
 
 __all__ = ["ExportFormat", "ExportReport", "export_full_state_dict"]
 

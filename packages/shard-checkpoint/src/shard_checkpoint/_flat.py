@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from shard_checkpoint._errors import StateDictError
 from shard_checkpoint._tensors import contiguous_stride
 from shard_core import dim0_chunk_range
-from shard_runtime import FlatUnit
+from shard_runtime.plumbing import FlatUnit
 
 __all__ = ["FLAT_PARAM", "chunk_of", "flat_key", "gather_full", "local_flat", "write_shard"]
 

@@ -63,7 +63,8 @@ from shard_checkpoint._options import (
     warn_submodules_deprecated,
 )
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
-from shard_runtime import FlatUnit, FSDPModule, clean_fqn, flat_units, original_buffer_dtypes
+from shard_runtime import FSDPModule
+from shard_runtime.plumbing import FlatUnit, clean_fqn, flat_units, original_buffer_dtypes
 
 __all__ = [
     "IncompatibleKeys",

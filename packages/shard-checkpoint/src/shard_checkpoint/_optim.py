@@ -67,10 +67,10 @@ from shard_checkpoint._options import (
     warn_submodules_deprecated,
 )
 from shard_checkpoint._tensors import full_value, same_layout, shard_like, to_cpu
-from shard_runtime._flat_shard import flat_sharded_params, flat_to_rows, full_to_flat
+from shard_runtime.plumbing import flat_sharded_params, flat_to_rows, full_to_flat
 
 if TYPE_CHECKING:
-    from shard_runtime._param import ShardedParam
+    from shard_runtime.plumbing import ShardedParam
 
 __all__ = [
     "as_optimizer_list",

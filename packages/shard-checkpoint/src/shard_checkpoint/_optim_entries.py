@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from shard_checkpoint._errors import StateDictError
-from shard_runtime import FlatUnit, clean_fqn, flat_units
+from shard_runtime.plumbing import FlatUnit, clean_fqn, flat_units
 
 __all__ = [
     "GROUPS",

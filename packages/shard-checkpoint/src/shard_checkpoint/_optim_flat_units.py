@@ -29,7 +29,7 @@ from shard_checkpoint._flat import chunk_of, gather_full
 from shard_checkpoint._model import TensorSpec
 from shard_checkpoint._optim_entries import Entry, States, all_entries
 from shard_checkpoint._tensors import full_value
-from shard_runtime import FlatUnit
+from shard_runtime.plumbing import FlatUnit
 
 __all__ = ["Fetch", "agree_on_skeleton", "unit_state_in", "unit_state_out"]
 

@@ -18,7 +18,7 @@ from torch import nn
 from shard_checkpoint._errors import StateDictError
 from shard_checkpoint._model import in_module_order
 from shard_checkpoint._optim_entries import GROUPS, PARAMS, STATE, all_entries, optimizer_entries
-from shard_runtime import clean_fqn, flat_units
+from shard_runtime.plumbing import clean_fqn, flat_units
 
 __all__ = ["rekey_optimizer_state_dict"]
 

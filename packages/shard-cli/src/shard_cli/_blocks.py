@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shard_cli.gpt import GPT
 from shard_core.errors import ShardError
-from shard_runtime import plan_units, resolve_wrap_policy
+from shard_runtime.plumbing import plan_units, resolve_wrap_policy
 
 __all__ = ["check_compiler", "find_blocks", "wrap_blocks"]
 

@@ -70,8 +70,7 @@ from shard_cli._options import Frontend, Precision, Strategy
 from shard_cli._strategy import ShardLayout, shard_layout
 from shard_core import FlatLayout, ParamSpec, dim0_chunk_range, padded_dim0_size
 from shard_core.protocols import WrapPolicy
-from shard_runtime import plan_units, resolve_wrap_policy
-from shard_runtime._flat_shard import is_flat_layout
+from shard_runtime.plumbing import is_flat_layout, plan_units, resolve_wrap_policy
 
 __all__ = [
     "MemoryEstimate",

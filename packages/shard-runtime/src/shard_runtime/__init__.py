@@ -4,12 +4,14 @@ Switch from PyTorch by changing the import line::
 
     from shard_runtime import fully_shard, MixedPrecisionPolicy
     from shard_runtime import FullyShardedDataParallel, ShardingStrategy
+
+What shard's other packages need from the engine (flat units, key cleaning,
+wrap planning) is in :mod:`shard_runtime.plumbing`, not here.
 """
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
 from shard_runtime._comm import share_comm_ctx
 from shard_runtime._flat_shard import FlatShard, flat_shard_placement
-from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -22,7 +24,6 @@ from shard_runtime._options import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from shard_runtime._state import clean_fqn
 from shard_runtime._state_dict_type import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -43,8 +44,6 @@ from shard_runtime._wrap import (
     apply_wrap_policy,
     enable_wrap,
     lambda_auto_wrap_policy,
-    plan_units,
-    resolve_wrap_policy,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -65,8 +64,6 @@ __all__ = [
     "DataParallelMeshDims",
     "FSDPModule",
     "FlatShard",
-    "FlatUnit",
-    "FlatUnitParam",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
@@ -89,16 +86,11 @@ __all__ = [
     "__version__",
     "always_wrap_policy",
     "apply_wrap_policy",
-    "clean_fqn",
     "enable_wrap",
     "flat_shard_placement",
-    "flat_units",
     "fully_shard",
     "lambda_auto_wrap_policy",
-    "original_buffer_dtypes",
-    "plan_units",
     "register_fsdp_forward_method",
-    "resolve_wrap_policy",
     "share_comm_ctx",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

@@ -1,0 +1,38 @@
+"""The parts of shard-runtime that shard's own packages build on, not users.
+
+Public to shard's distributions (``shard-checkpoint``, ``shard-cli``) and to
+their tests: what state-dict and checkpoint code needs to know about the
+units of both front ends (the wrapper's flat units and their parameters'
+keys, ``fully_shard``'s flat-sharded parameters and their conversions, the
+buffers' original dtypes, clean parameter names) and the wrap planning that
+``shard plan`` repeats without a process group. These names may change with
+the packages that use them; a training script needs only what
+``shard_runtime`` itself exports (as ``shard_comms.plumbing`` is to
+``shard_comms``).
+"""
+
+from shard_runtime._flat_shard import (
+    flat_sharded_params,
+    flat_to_rows,
+    full_to_flat,
+    is_flat_layout,
+)
+from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
+from shard_runtime._param import ShardedParam
+from shard_runtime._state import clean_fqn
+from shard_runtime._wrap import plan_units, resolve_wrap_policy
+
+__all__ = [
+    "FlatUnit",
+    "FlatUnitParam",
+    "ShardedParam",
+    "clean_fqn",
+    "flat_sharded_params",
+    "flat_to_rows",
+    "flat_units",
+    "full_to_flat",
+    "is_flat_layout",
+    "original_buffer_dtypes",
+    "plan_units",
+    "resolve_wrap_policy",
+]
