@@ -41,7 +41,7 @@ from shard_core.errors import UnknownPluginNameError
 from shard_core.protocols import WrapPolicy
 from shard_runtime import FSDPModule, fully_shard
 from shard_runtime._state import get_state
-from shard_runtime._wrap import apply_wrap_policy, plan_units, resolve_wrap_policy
+from shard_runtime._wrap_policy import apply_wrap_policy, plan_units, resolve_wrap_policy
 from shard_testing import (
     Batch,
     RankPool,

@@ -38,7 +38,7 @@ from shard_runtime._state_dict_type import (
     StateDictType,
 )
 from shard_runtime._version import __version__
-from shard_runtime._wrap import (
+from shard_runtime._wrap_policy import (
     WrapPolicyLike,
     always_wrap_policy,
     apply_wrap_policy,

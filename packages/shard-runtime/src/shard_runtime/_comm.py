@@ -146,9 +146,9 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     """
     # Imported here: the front end and the states import this module.
     from shard_runtime._fully_shard import FSDPModule
-    from shard_runtime._state import ShardState, get_state, states_in
+    from shard_runtime._state import UnitState, get_state, states_in
 
-    states: list[ShardState] = []
+    states: list[UnitState] = []
     for module in modules:
         state = get_state(module) if isinstance(module, torch.nn.Module) else None
         if not isinstance(module, FSDPModule) or state is None:

@@ -84,7 +84,7 @@ class FlatParamSpec:
 
 
 class FlatParamGroup:
-    """A :class:`~shard_runtime._group.ParamGroup` over one flat buffer (see the module doc)."""
+    """A :class:`~shard_runtime._unit_layout.UnitLayout` over one flat buffer (module doc)."""
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shard_comms import all_gather
 from shard_core import FlatLayout, ShardMetadata
 from shard_runtime._flat_param import FlatParamGroup
-from shard_runtime._state import ShardState, clean_fqn, get_state
+from shard_runtime._state import UnitState, clean_fqn, get_state
 from shard_runtime._unit import ShardedState
 
 __all__ = [
@@ -77,7 +77,7 @@ class FlatUnit:
     mesh: DeviceMesh
     flat_param: nn.Parameter | None
     compute_device: torch.device
-    _state: ShardState
+    _state: UnitState
 
     @property
     def use_orig_params(self) -> bool:

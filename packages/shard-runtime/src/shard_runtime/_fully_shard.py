@@ -35,7 +35,7 @@ from shard_runtime._options import (
 )
 from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param import PerParamGroup
-from shard_runtime._state import ShardState, get_state, states_in
+from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._unit import ShardedState, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -51,7 +51,7 @@ _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the gather."""
 
-    def __init__(self, state: ShardState | None) -> None:
+    def __init__(self, state: UnitState | None) -> None:
         self._state = state
 
     def wait(self) -> None:
@@ -81,7 +81,7 @@ class FSDPModule:
         self.__init__(*args, **kwargs)
         return self
 
-    def _shard(self) -> ShardState:
+    def _shard(self) -> UnitState:
         state = get_state(_as_module(self))
         assert state is not None
         return state
@@ -392,7 +392,7 @@ class FSDPModule:
         _check_no_custom_comm(unit, "set_symm_mem_for_comm")
         unit.comm_allocator = "symm_mem"
 
-    def _states(self, recurse: bool) -> list[ShardState]:
+    def _states(self, recurse: bool) -> list[UnitState]:
         if not recurse:
             return [self._shard()]
         return states_in([_as_module(self)])
@@ -429,7 +429,7 @@ def _as_module(obj: FSDPModule) -> nn.Module:
     return obj
 
 
-def _state_of(module: object, method: str) -> ShardState:
+def _state_of(module: object, method: str) -> UnitState:
     state = get_state(module) if isinstance(module, nn.Module) else None
     if state is None:
         raise ValueError(
@@ -569,7 +569,7 @@ def fully_shard(
             register_flat_state_dict_hooks(sp)
         setattr(param, _SHARDED_BY_ATTR, unit)
         setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
-    state = ShardState(
+    state = UnitState(
         modules,
         unit,
         reshard_after_forward=not keep_after_forward,

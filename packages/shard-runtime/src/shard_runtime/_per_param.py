@@ -25,7 +25,7 @@ __all__ = ["PerParamGroup"]
 
 
 class PerParamGroup:
-    """A :class:`~shard_runtime._group.ParamGroup` of :class:`ShardedParam` s."""
+    """A :class:`~shard_runtime._unit_layout.UnitLayout` of :class:`ShardedParam` s."""
 
     def __init__(self, params: list[ShardedParam], label: str) -> None:
         self.params = params

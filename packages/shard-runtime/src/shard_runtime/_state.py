@@ -1,6 +1,6 @@
 """When a unit communicates: forward and backward hooks, and the root's step.
 
-One :class:`ShardState` per ``fully_shard`` call (shared by every module of a
+One :class:`UnitState` per ``fully_shard`` call (shared by every module of a
 grouped call). It owns the unit and decides, from module hooks and autograd
 hooks, when the unit gathers, frees and reduces:
 
@@ -72,7 +72,7 @@ from shard_runtime._step_guard import watch_root
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
 
-__all__ = ["BackwardPrefetchMode", "ShardState", "clean_fqn", "get_state", "states_in"]
+__all__ = ["BackwardPrefetchMode", "UnitState", "clean_fqn", "get_state", "states_in"]
 
 _log = logging.getLogger("shard.runtime")
 
@@ -91,15 +91,15 @@ def clean_fqn(name: str) -> str:
     )
 
 
-def get_state(module: nn.Module) -> ShardState | None:
+def get_state(module: nn.Module) -> UnitState | None:
     """The state of a module passed to ``fully_shard``, or ``None``."""
     state = module.__dict__.get(_STATE_ATTR)
-    return state if isinstance(state, ShardState) else None
+    return state if isinstance(state, UnitState) else None
 
 
-def states_in(modules: Iterable[nn.Module]) -> list[ShardState]:
+def states_in(modules: Iterable[nn.Module]) -> list[UnitState]:
     """Every state in the trees of ``modules``, each once, in module order."""
-    states: list[ShardState] = []
+    states: list[UnitState] = []
     for top in modules:
         for module in top.modules():
             state = get_state(module)
@@ -108,7 +108,7 @@ def states_in(modules: Iterable[nn.Module]) -> list[ShardState]:
     return states
 
 
-class ShardState:
+class UnitState:
     """Hooks and step logic of one ``fully_shard`` call; see the module docstring."""
 
     def __init__(
@@ -134,17 +134,17 @@ class ShardState:
         self.reshard_after_forward = reshard_after_forward
         self.auto_reshard_after_forward = auto_reshard_after_forward
         # - tree, filled by fully_shard and the root's lazy init
-        self.parent: ShardState | None = None
-        self.root: ShardState | None = None
+        self.parent: UnitState | None = None
+        self.root: UnitState | None = None
         # - root only; see [Note: the root]
-        self.all_states: list[ShardState] = []
-        self.post_forward_order: list[ShardState] = []
+        self.all_states: list[UnitState] = []
+        self.post_forward_order: list[UnitState] = []
         self._final_callback_queued = False
-        self.last_forward_order: list[ShardState] = []
+        self.last_forward_order: list[UnitState] = []
         self.step = 0  # backwards completed: the step the flight recorder names
         # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
-        self.forward_prefetch: list[ShardState] | None = None
-        self.backward_prefetch: list[ShardState] | None = None
+        self.forward_prefetch: list[UnitState] | None = None
+        self.backward_prefetch: list[UnitState] | None = None
         self.backward_prefetch_mode = backward_prefetch_mode
         self.forward_prefetch_implicit = forward_prefetch_implicit
         self.limit_all_gathers = limit_all_gathers
@@ -439,7 +439,7 @@ class ShardState:
                 if target.unit.unshard_in_backward:
                     self._prefetch(target)
 
-    def _prefetch(self, target: ShardState) -> None:
+    def _prefetch(self, target: UnitState) -> None:
         """Start ``target``'s all-gather unless it is gathered or too many are in flight."""
         if target.unit.sharded_state is ShardedState.UNSHARDED:
             return
@@ -452,7 +452,7 @@ class ShardState:
                 return
         target.unit.unshard(async_op=True)
 
-    def _forward_prefetch_targets(self) -> list[ShardState]:
+    def _forward_prefetch_targets(self) -> list[UnitState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
         if not self.forward_prefetch_implicit:
@@ -465,7 +465,7 @@ class ShardState:
         index = order.index(self)
         return [order[index + 1]] if index + 1 < len(order) else []
 
-    def _backward_prefetch_targets(self) -> list[ShardState]:
+    def _backward_prefetch_targets(self) -> list[UnitState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
         if self.backward_prefetch_mode == "none":

@@ -34,15 +34,15 @@ from shard_core.errors import OptimizerStepError
 from shard_runtime._unit import TrainingState
 
 if TYPE_CHECKING:
-    from shard_runtime._state import ShardState
+    from shard_runtime._state import UnitState
 
 __all__ = ["watch_root"]
 
-_ROOTS: weakref.WeakSet[ShardState] = weakref.WeakSet()
+_ROOTS: weakref.WeakSet[UnitState] = weakref.WeakSet()
 _HANDLE: list[RemovableHandle] = []
 
 
-def watch_root(root: ShardState) -> None:
+def watch_root(root: UnitState) -> None:
     """Guard optimizer steps on ``root``'s units; see [Note: optimizer step guard]."""
     _ROOTS.add(root)
     if not _HANDLE:
@@ -59,7 +59,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             _check(optimizer, root)
 
 
-def _check(optimizer: torch.optim.Optimizer, root: ShardState) -> None:
+def _check(optimizer: torch.optim.Optimizer, root: UnitState) -> None:
     owners = {
         id(param): state
         for state in root.all_states

@@ -19,7 +19,7 @@ from torch import nn
 
 from shard_comms import all_gather
 from shard_runtime._flat_param import FlatParamGroup
-from shard_runtime._state import ShardState, get_state, states_in
+from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._unit import ShardedState, TrainingState
 
 __all__ = ["FLAT_PARAM", "SummonMethods", "summon"]
@@ -118,7 +118,7 @@ def summon(
 
 @contextlib.contextmanager
 def _summon_unit(
-    state: ShardState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
+    state: UnitState, writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Iterator[None]:
     wrapper = state.modules[0]
     if not isinstance(wrapper, SummonMethods):
@@ -136,7 +136,7 @@ def _summon_unit(
 
 @contextlib.contextmanager
 def _summon_group(
-    state: ShardState,
+    state: UnitState,
     writeback: bool,
     rank0_only: bool,
     offload_to_cpu: bool,

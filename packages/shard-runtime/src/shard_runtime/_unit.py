@@ -4,7 +4,7 @@ The unit is the engine's single communication object: one all-gather brings
 all of its parameters in, one reduce-scatter (plus one all-reduce across
 replicas on a 2-D mesh) sends all of its gradients out. Front ends decide
 *when* (hooks, prefetch, reshard policy); the unit decides *how* (streams,
-groups, dtypes, divide factors); its :class:`~shard_runtime._group.ParamGroup`
+groups, dtypes, divide factors); its :class:`~shard_runtime._unit_layout.UnitLayout`
 decides *where* the bytes live (per-parameter or flat layout).
 
 [Note: Communication controls]
@@ -82,8 +82,8 @@ from shard_comms.plumbing import (
 from shard_core.protocols import CommHook, EventLike, StreamLike
 from shard_runtime._comm import CommContext, streams_for
 from shard_runtime._compile import eager_hook
-from shard_runtime._group import ParamGroup
 from shard_runtime._options import MixedPrecisionPolicy
+from shard_runtime._unit_layout import UnitLayout
 
 __all__ = [
     "CommAllocator",
@@ -188,7 +188,7 @@ class Unit:
     """The engine's communication group; see the module docstring."""
 
     label: str
-    group: ParamGroup
+    group: UnitLayout
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     compute_device: torch.device

@@ -4,7 +4,7 @@ Same constructor, defaults and methods as PyTorch's wrapper, so a script
 switches by changing its import line. Each wrapper instance is one unit whose
 parameters live in one flat buffer (:class:`~shard_runtime._flat_param.FlatParamGroup`);
 the hooks, prefetching, root logic and communication are the engine's
-(:class:`~shard_runtime._state.ShardState`, :class:`~shard_runtime._unit.Unit`),
+(:class:`~shard_runtime._state.UnitState`, :class:`~shard_runtime._unit.Unit`),
 shared with ``fully_shard``.
 
 [Note: strategies as meshes]
@@ -59,7 +59,7 @@ from shard_runtime._flat_units import record_buffer_dtype
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._param import ParamOwner
-from shard_runtime._state import WRAPPED_PREFIX, ShardState, clean_fqn, get_state, states_in
+from shard_runtime._state import WRAPPED_PREFIX, UnitState, clean_fqn, get_state, states_in
 from shard_runtime._state_dict_type import (
     OptimStateDictConfig,
     StateDictConfig,
@@ -69,7 +69,7 @@ from shard_runtime._state_dict_type import (
 )
 from shard_runtime._summon import FLAT_PARAM, SummonMethods, summon
 from shard_runtime._unit import TrainingState, Unit
-from shard_runtime._wrap import plan_units, resolve_wrap_policy
+from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
     materialize_module,
     move_to_device,
@@ -250,7 +250,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             BackwardPrefetch.BACKWARD_POST: "post",
             None: "none",
         }[self.backward_prefetch]
-        state = ShardState(
+        state = UnitState(
             [self],
             unit,
             reshard_after_forward=self.sharding_strategy in RESHARD_AFTER_FORWARD,
@@ -863,7 +863,7 @@ class _TorchCommHook:
         return f"TorchCommHook({getattr(self.hook, '__name__', self.hook)!r})"
 
 
-def _state(wrapper: FullyShardedDataParallel) -> ShardState:
+def _state(wrapper: FullyShardedDataParallel) -> UnitState:
     state = get_state(wrapper)
     assert state is not None
     return state

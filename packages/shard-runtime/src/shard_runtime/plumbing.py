@@ -20,7 +20,7 @@ from shard_runtime._flat_shard import (
 from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._param import ShardedParam
 from shard_runtime._state import clean_fqn
-from shard_runtime._wrap import plan_units, resolve_wrap_policy
+from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
 
 __all__ = [
     "FlatUnit",

@@ -7,11 +7,11 @@ Switch by changing the import line::
 The policy functions and classes work as ``auto_wrap_policy=`` of
 :class:`~shard_runtime.FullyShardedDataParallel` (``functools.partial`` forms
 included) and through :func:`~shard_runtime.apply_wrap_policy` for
-``fully_shard``. See [Note: PyTorch's policy functions] in ``_wrap.py``.
+``fully_shard``. See [Note: PyTorch's policy functions] in ``_wrap_policy.py``.
 """
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
-from shard_runtime._wrap import (
+from shard_runtime._wrap_policy import (
     always_wrap_policy,
     enable_wrap,
     lambda_auto_wrap_policy,

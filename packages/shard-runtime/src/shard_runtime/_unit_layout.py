@@ -1,7 +1,7 @@
 """How one unit's parameters live in the buffers its collectives move.
 
 The engine (:class:`~shard_runtime._unit.Unit`) decides when a unit gathers,
-frees and reduces, on which stream, over which group; a :class:`ParamGroup`
+frees and reduces, on which stream, over which group; a :class:`UnitLayout`
 decides where the bytes are. Two layouts implement it:
 
 - per-parameter (``fully_shard``): every parameter is its own ``Shard(0)``
@@ -24,10 +24,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["ParamGroup"]
+__all__ = ["UnitLayout"]
 
 
-class ParamGroup(Protocol):
+class UnitLayout(Protocol):
     """One unit's parameters, sharded and unsharded; see the module docstring."""
 
     @property
