@@ -41,7 +41,10 @@ __all__ = [
     "materialise_sharded",
 ]
 
-HF_INSTALL = "pip install transformers (or shard-cli's [hf] extra)"
+HF_INSTALL = (
+    "pip install transformers (or, from a shard checkout, pip install './packages/shard-cli[hf]'; "
+    "never shard-cli from the public index, an unrelated project)"
+)
 """How to install what ``--hf-config`` needs."""
 
 
