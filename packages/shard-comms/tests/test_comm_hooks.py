@@ -13,7 +13,7 @@ import torch.distributed as dist
 import shard_comms as sc
 from shard_comms import _hooks, plumbing
 from shard_core import Registry, hookimpl, make_plugin_manager
-from shard_core.errors import UnknownPluginNameError
+from shard_core.errors import CommError, UnknownPluginNameError
 from shard_core.protocols import CommHook, GradReducer
 
 
@@ -71,6 +71,26 @@ def _rank_hybrid(numel: int) -> dict[str, Any]:
     }
 
 
+def _rank_halves(numel: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    mesh = sc.build_mesh((2, 2))
+    shard_group, replicate_group = sc.mesh_groups(mesh)
+    reducer = sc.DefaultGradReducer(
+        shard_group, replicate_group=replicate_group, op="sum", pre_divide=2.0, post_divide=4.0
+    )
+    output = torch.empty(numel)
+    with sc.count_collectives() as counts:
+        result, work = reducer.scatter(_values(rank, numel * 2), output, async_op=True)
+        work.wait()
+        reducer.all_reduce_replicas(result)
+    return {
+        "same": result is output,
+        "output": output,
+        "factors": (reducer.pre_divide, reducer.scatter_post_divide, reducer.post_divide),
+        "calls": (counts.calls("reduce_scatter"), counts.calls("all_reduce")),
+    }
+
+
 # ---------------------------------------------------------------------------
 # The default reducer
 # ---------------------------------------------------------------------------
@@ -111,6 +131,32 @@ def test_hybrid_reducer_averages_over_shard_and_replicate_axes(rank_pool: Any) -
         assert result["sizes"] == (2, 4)
         assert result["factors"] == (2.0, 2.0)
         assert result["calls"] == (1, 1)
+
+
+def test_reducer_halves_apply_explicit_sum_factors_once(rank_pool: Any) -> None:
+    """scatter (async) then all_reduce_replicas, as the unit calls them, divide by pre then post."""
+    results = rank_pool.run(_rank_halves, 4, 3)
+    total = torch.stack([_values(r, 6) / 2 for r in range(4)]).sum(0) / 4
+    for rank, result in enumerate(results):
+        shard_rank = rank % 2
+        assert result["same"] is True
+        assert torch.equal(result["output"], total[shard_rank * 3 : (shard_rank + 1) * 3])
+        assert result["factors"] == (2.0, 1.0, 4.0)
+        assert result["calls"] == (1, 1)
+
+
+def _rank_scatter_without_output() -> str:
+    try:
+        sc.DefaultGradReducer().scatter(torch.zeros(4), None)
+    except CommError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_scatter_without_output_needs_a_custom_collective(rank_pool: Any) -> None:
+    """Only a custom reduce-scatter allocates its own output; shard's needs one passed."""
+    for message in rank_pool.run(_rank_scatter_without_output, 2):
+        assert "output is None" in message
 
 
 # ---------------------------------------------------------------------------

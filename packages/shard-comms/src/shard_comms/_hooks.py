@@ -11,6 +11,19 @@ result across the replicate group, with the unit's divide factors applied
 once over the whole data-parallel world. Hooks are selected by registered
 name (``"bf16_compress"``) through the plugin registry, or passed as a
 callable.
+
+[Note: One reduction path]
+The engine's unit reduces its gradients through this reducer too, with or
+without a comm hook: :meth:`DefaultGradReducer.scatter` is the
+reduce-scatter (asynchronous in the unit, on its reduce-scatter stream;
+through a user's custom collective when one is set) and
+:meth:`DefaultGradReducer.all_reduce_replicas` the all-reduce across the
+replicate group, which the unit may defer over several backwards. So the
+divide-factor staging exists once: ``pre_divide`` before the reduce-scatter,
+``post_divide`` after it on a 1-D mesh, after the replica all-reduce on a
+hybrid one. A unit whose communication controls move the division
+(``gradient_divide_factor``, ``force_sum_reduction_for_comms``) passes
+``op="sum"`` and its own factors.
 """
 
 from __future__ import annotations
@@ -20,12 +33,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from shard_comms._collectives import (
+    CommHandle,
     ReduceAlgorithm,
     ReduceOpName,
     all_reduce,
     reduce_scatter,
     resolve_divide_factors,
 )
+from shard_comms._custom import CustomReduceScatter, custom_reduce_scatter
 from shard_core import get_registry
 from shard_core.errors import CommError
 from shard_core.protocols import CommHook, GradReducer
@@ -51,6 +66,12 @@ class DefaultGradReducer:
             group size) or ``"sum"``.
         pre_divide: Factor applied before communication; ``None`` picks the
             default for ``op`` (see [Note: Divide factors] in ``_collectives.py``).
+        post_divide: Factor applied after communication (after the replica
+            all-reduce on a hybrid mesh); ``None`` picks the default for
+            ``op``, as :func:`resolve_divide_factors` does.
+        custom_reduce_scatter: A user's reduce-scatter that :meth:`scatter`
+            calls instead of shard's (see ``custom_reduce_scatter``); ``None``:
+            shard's.
         algorithm: How to reduce-scatter (see :func:`reduce_scatter`).
         label: Label for counters and profiler ranges (the unit's module name).
 
@@ -62,6 +83,7 @@ class DefaultGradReducer:
 
     __slots__ = (
         "_algorithm",
+        "_custom",
         "_data_parallel_size",
         "_group",
         "_label",
@@ -78,6 +100,8 @@ class DefaultGradReducer:
         replicate_group: ProcessGroup | None = None,
         op: ReduceOpName = "avg",
         pre_divide: float | None = None,
+        post_divide: float | None = None,
+        custom_reduce_scatter: CustomReduceScatter | None = None,
         algorithm: ReduceAlgorithm = "auto",
         label: str | None = None,
     ) -> None:
@@ -87,8 +111,9 @@ class DefaultGradReducer:
         replicas = 1 if replicate_group is None else replicate_group.size()
         self._data_parallel_size = self._world_size * replicas
         self._pre_divide, self._post_divide = resolve_divide_factors(
-            op, self._data_parallel_size, pre_divide, None
+            op, self._data_parallel_size, pre_divide, post_divide
         )
+        self._custom = custom_reduce_scatter
         self._algorithm: ReduceAlgorithm = algorithm
         self._label = label
 
@@ -118,30 +143,76 @@ class DefaultGradReducer:
 
         ``grad`` is scratch afterwards when ``output`` is given.
         """
-        replicate = self._replicate_group
-        post = 1.0 if replicate is not None else self._post_divide
         if output is None:
             all_reduce(
                 grad,
                 self._group,
                 pre_divide=self._pre_divide,
-                post_divide=post,
+                post_divide=self.scatter_post_divide,
                 label=self._label,
             )
             target = grad
         else:
-            reduce_scatter(
-                output,
+            target, work = self.scatter(grad, output)
+            work.wait()
+        self.all_reduce_replicas(target)
+
+    # - the two halves of ``reduce``; see [Note: One reduction path]
+    @property
+    def scatter_post_divide(self) -> float:
+        """Factor the reduce-scatter's result is divided by: 1 when the replicas divide."""
+        return 1.0 if self._replicate_group is not None else self._post_divide
+
+    def scatter(
+        self, grad: torch.Tensor, output: torch.Tensor | None, *, async_op: bool = False
+    ) -> tuple[torch.Tensor, CommHandle]:
+        """Reduce-scatter ``grad`` over the shard group; returns the output and its handle.
+
+        ``output`` is where shard's reduce-scatter writes; with a custom
+        reduce-scatter it is ``None`` (the custom collective allocates its
+        own, which is returned). ``grad`` is scratch until the handle is waited.
+        """
+        if self._custom is not None:
+            if self._group is None:
+                raise CommError(
+                    "DefaultGradReducer: a custom reduce-scatter needs an explicit shard group; "
+                    "pass group="
+                )
+            return custom_reduce_scatter(
+                self._custom,
                 grad,
                 self._group,
                 pre_divide=self._pre_divide,
-                post_divide=post,
-                algorithm=self._algorithm,
+                post_divide=self.scatter_post_divide,
                 label=self._label,
             )
-            target = output
-        if replicate is not None:
-            all_reduce(target, replicate, post_divide=self._post_divide, label=self._label)
+        if output is None:
+            raise CommError(
+                "DefaultGradReducer.scatter: output is None; pass the tensor that receives "
+                "this rank's slice (only a custom reduce-scatter allocates its own)"
+            )
+        work = reduce_scatter(
+            output,
+            grad,
+            self._group,
+            pre_divide=self._pre_divide,
+            post_divide=self.scatter_post_divide,
+            algorithm=self._algorithm,
+            async_op=async_op,
+            label=self._label,
+        )
+        return output, work
+
+    def all_reduce_replicas(self, target: torch.Tensor) -> None:
+        """All-reduce the reduced ``target`` across the replicate group; no-op on a 1-D mesh."""
+        if self._replicate_group is not None:
+            all_reduce(
+                target,
+                self._replicate_group,
+                pre_divide=1.0,
+                post_divide=self._post_divide,
+                label=self._label,
+            ).wait()
 
     # - extras
     @property

@@ -66,16 +66,13 @@ from shard_comms import (
     CustomReduceScatter,
     DefaultGradReducer,
     all_gather,
-    all_reduce,
     mesh_groups,
     reduce_gradient,
-    reduce_scatter,
 )
 from shard_comms.plumbing import (
     PostForwardGroup,
     comm_buffer,
     custom_all_gather,
-    custom_reduce_scatter,
     default_divide_factors,
     group_allocates,
 )
@@ -421,41 +418,35 @@ class Unit:
         plan = self.divide_plan(reduce_dtype)
         world = self.shard_world
         group = self.reduce_scatter_group or self.shard_group
+        # See [Note: One reduction path] in shard-comms.
+        reducer = DefaultGradReducer(
+            group,
+            replicate_group=self.replicate_group,
+            op="sum",
+            pre_divide=plan.before,
+            post_divide=plan.after_scatter * plan.after_all_reduce,
+            custom_reduce_scatter=self.custom_reduce_scatter,
+            label=self.comm_label,
+        )
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
         stream = streams.reduce_scatter
         stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
             full = self.group.reduce_input(world, reduce_dtype, self.compute_device)
-            if self.custom_reduce_scatter is not None:
-                output, work = custom_reduce_scatter(
-                    self.custom_reduce_scatter,
-                    full,
-                    group,
-                    pre_divide=plan.before,
-                    post_divide=plan.after_scatter,
-                    label=self.comm_label,
-                )
-            else:
+            into: torch.Tensor | None = None  # a custom reduce-scatter allocates its own
+            if self.custom_reduce_scatter is None:
                 if self._group_allocates(group):
                     staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
                     full = staged.copy_(full)
-                    output = comm_buffer(
+                    into = comm_buffer(
                         self.group.reduce_numel(), reduce_dtype, self.compute_device, group
                     )
                 else:
-                    output = torch.empty(
+                    into = torch.empty(
                         self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
                     )
-                work = reduce_scatter(
-                    output,
-                    full,
-                    group,
-                    pre_divide=plan.before,
-                    post_divide=plan.after_scatter,
-                    async_op=True,
-                    label=self.comm_label,
-                )
+            output, work = reducer.scatter(full, into, async_op=True)
             done = stream.record_event()
 
         def finish() -> None:
@@ -467,13 +458,7 @@ class Unit:
                 if not self.requires_all_reduce:
                     self._partial_reduce = output
                     return
-                all_reduce(
-                    output,
-                    self.replicate_group,
-                    pre_divide=1.0,
-                    post_divide=plan.after_all_reduce,
-                    label=self.comm_label,
-                ).wait()
+                reducer.all_reduce_replicas(output)
             if self.all_reduce_hook is not None:
                 self._run_all_reduce_hook(self.all_reduce_hook, output)
             if plan.after_hook != 1.0:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import DefaultGradReducer
+from shard_comms import DefaultGradReducer, resolve_comm_hook
 from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_mesh
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
@@ -450,9 +450,10 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             self._register_torch_comm_hook(state, hook)
             return
         chosen = hook if hook is not None else state
-        if isinstance(chosen, str):
-            chosen = get_registry().comm_hook(chosen)
-        if not callable(chosen):
+        resolved = None
+        if chosen is not None and (isinstance(chosen, str) or callable(chosen)):
+            resolved = resolve_comm_hook(chosen)
+        if resolved is None:
             raise TypeError(
                 f"register_comm_hook: expected a comm hook or a registered hook name, got "
                 f"{type(chosen).__name__}"
@@ -460,7 +461,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         for s in states_in([self]):
             if s.root is not None and s.unit.training_state is not TrainingState.IDLE:
                 raise RuntimeError("register_comm_hook: call it before training starts")
-            s.unit.comm_hook = chosen
+            s.unit.comm_hook = resolved
 
     def _register_torch_comm_hook(self, state: object, hook: object) -> None:
         if not self.check_is_root():
