@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from shard_runtime import flat_shard_placement, fully_shard
 from shard_runtime._flat_shard import shard_numel
 from shard_testing import RankPool, train_reference
-from shard_testing.models import ToyNet, toy_batches
+from shard_testing.models import ToyNet, toy_batches, train_toy
 
 STEPS = 3
 
@@ -50,7 +50,7 @@ def test_flat_layout_holds_every_rank_within_0_1_percent_of_ideal_at_1024_ranks(
 
 
 def _train(config: dict[str, Any]) -> dict[str, Any]:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = ToyNet()
     for block in model.blocks:
@@ -61,17 +61,7 @@ def _train(config: dict[str, Any]) -> dict[str, Any]:
         assert isinstance(param, DTensor)
         local = param.to_local()
         layout[name] = (tuple(param.shape), tuple(param.placements), local.numel())
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for step in toy_batches(world, STEPS):
-        x, y = step[0][rank]
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+    losses = train_toy(model, STEPS)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": full, "layout": layout}
 

@@ -6,7 +6,6 @@ Compared with one process trained on the concatenated batch (fp32:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,73 +15,19 @@ from torch import nn
 
 from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy
 from shard_testing import RankPool
-from shard_testing.models import ResidualBlock, ToyNet, toy_batches
+from shard_testing.models import (
+    ResidualBlock,
+    ToyNet,
+    check_toy_parity,
+    toy_batches,
+    train_toy,
+    wrapper_full_params,
+)
 
 FSDP = FullyShardedDataParallel
 PER_BLOCK = ModuleWrapPolicy({ResidualBlock})
 STEPS = 3
 PARAM_NAMES = [name for name, _ in ToyNet().named_parameters()]
-
-
-def _reference(
-    world: int, model: nn.Module | None = None
-) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses per step and final parameters of one process on the concatenated batches."""
-    model = model if model is not None else ToyNet()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for step in toy_batches(world, STEPS):
-        x = torch.cat([x for x, _ in step[0]])
-        y = torch.cat([y for _, y in step[0]])
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _full_params(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
-    """The original parameters by their unwrapped names, read inside summon_full_params."""
-    out = {}
-    with FSDP.summon_full_params(model, writeback=False):
-        for name in PARAM_NAMES:
-            owner: Any = model
-            *path, leaf = name.split(".")
-            for part in path:
-                owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
-            out[name] = getattr(owner, leaf).detach().clone()
-    return out
-
-
-def _train(
-    model: FullyShardedDataParallel, after_backward: Callable[[], None] | None = None
-) -> list[float]:
-    """STEPS of AdamW on this rank's slice of the toy batches; the mean loss of the ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for step in toy_batches(world, STEPS):
-        x, y = step[0][rank]
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if after_backward is not None:
-            after_backward()
-        optim.step()
-        optim.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
-
-
-def _check_parity(results: list[dict[str, Any]], world: int) -> None:
-    ref_losses, ref_params = _reference(world)
-    for result in results:
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses))
-        assert list(result["params"]) == PARAM_NAMES
-        for name, value in ref_params.items():
-            torch.testing.assert_close(result["params"][name], value)
 
 
 def _ignored_head(use_orig_params: bool) -> dict[str, Any]:
@@ -105,14 +50,14 @@ def _ignored_head(use_orig_params: bool) -> dict[str, Any]:
             dist.all_reduce(p.grad)
             p.grad.div_(world)
 
-    losses = _train(model, average_head)
+    losses = train_toy(model, STEPS, average_head)
     return {
         "head_shapes": [tuple(p.shape) for p in head_params],
         "head_is_registered": [p is q for p, q in zip(head_params, head.parameters(), strict=True)],
         "ignored_in_parameters": sum(any(p is q for q in model.parameters()) for p in head_params),
         "local_grads": local_grads,
         "losses": losses,
-        "params": _full_params(model),
+        "params": wrapper_full_params(model, PARAM_NAMES),
     }
 
 
@@ -140,4 +85,4 @@ def test_ignored_module_stays_whole_and_unreduced(
         for got, want in zip(result["local_grads"], expected, strict=True):
             torch.testing.assert_close(got, want)
     assert not torch.equal(results[0]["local_grads"][0], results[1]["local_grads"][0])
-    _check_parity(results, 2)
+    check_toy_parity(results, 2, STEPS)

@@ -7,10 +7,11 @@ bugs hide.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
@@ -23,8 +24,12 @@ __all__ = [
     "LinearStack",
     "ResidualBlock",
     "ToyNet",
+    "check_toy_parity",
     "sharded_toy_net",
     "toy_batches",
+    "toy_reference",
+    "train_toy",
+    "wrapper_full_params",
 ]
 
 DIM_IN, HIDDEN, DIM_OUT = 6, 10, 3
@@ -110,6 +115,84 @@ def toy_batches(
         ]
         for _ in range(steps)
     ]
+
+
+TOY_LR = 0.05
+"""The AdamW learning rate of the toy parity runs, sharded and reference alike."""
+
+
+def toy_reference(
+    world_size: int, steps: int, model: nn.Module | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses per step and final parameters of one process on the ranks' concatenated batches.
+
+    The single-process side of a :func:`train_toy` run (see [Note: Why sharded
+    training must match the reference] in ``reference.py``).
+    """
+    model = model if model is not None else ToyNet()
+    optim = torch.optim.AdamW(model.parameters(), lr=TOY_LR)
+    losses = []
+    for step in toy_batches(world_size, steps):
+        x = torch.cat([x for x, _ in step[0]])
+        y = torch.cat([y for _, y in step[0]])
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_toy(
+    model: nn.Module, steps: int, after_backward: Callable[[], None] | None = None
+) -> list[float]:
+    """``steps`` of AdamW on this rank's slice of :func:`toy_batches`; the ranks' mean loss.
+
+    Run on every rank of a sharded ``model``; ``after_backward`` runs between
+    the backward and the optimizer step (to adjust gradients, say).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optim = torch.optim.AdamW(model.parameters(), lr=TOY_LR)
+    losses = []
+    for step in toy_batches(world, steps):
+        x, y = step[0][rank]
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        if after_backward is not None:
+            after_backward()
+        optim.step()
+        optim.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def wrapper_full_params(model: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The original parameters ``names`` of a wrapped model, read inside summon_full_params.
+
+    ``model`` is a ``FullyShardedDataParallel`` (shard's or PyTorch's: both
+    offer the static ``summon_full_params``); names are the unwrapped ones.
+    """
+    out = {}
+    with type(model).summon_full_params(model, writeback=False):  # type: ignore[attr-defined]
+        for name in names:
+            owner: Any = model
+            *path, leaf = name.split(".")
+            for part in path:
+                owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+            out[name] = getattr(owner, leaf).detach().clone()
+    return out
+
+
+def check_toy_parity(results: Sequence[Mapping[str, Any]], world_size: int, steps: int) -> None:
+    """Each rank's ``{"losses", "params"}`` equals :func:`toy_reference` (fp32 tolerances)."""
+    ref_losses, ref_params = toy_reference(world_size, steps)
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses))
+        assert list(result["params"]) == list(ref_params)
+        for name, value in ref_params.items():
+            torch.testing.assert_close(result["params"][name], value)
 
 
 class LinearStack(nn.Module):
