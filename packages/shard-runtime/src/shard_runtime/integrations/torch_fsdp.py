@@ -104,47 +104,6 @@ KNOWN_FRAMEWORKS: tuple[str, ...] = (
     "transformers",
 )
 
-# Public names of torch.distributed.fsdp with a counterpart in shard_runtime
-# (all of its __all__ in torch 2.13), and of torch.distributed.fsdp.wrap in
-# shard_runtime.wrap.
-_FSDP_NAMES: tuple[str, ...] = (
-    "BackwardPrefetch",
-    "CPUOffload",
-    "CPUOffloadPolicy",
-    "DataParallelMeshDims",
-    "FSDPModule",
-    "FullOptimStateDictConfig",
-    "FullStateDictConfig",
-    "FullyShardedDataParallel",
-    "LocalOptimStateDictConfig",
-    "LocalStateDictConfig",
-    "MixedPrecision",
-    "MixedPrecisionPolicy",
-    "OffloadPolicy",
-    "OptimStateDictConfig",
-    "OptimStateKeyType",
-    "ShardedOptimStateDictConfig",
-    "ShardedStateDictConfig",
-    "ShardingStrategy",
-    "StateDictConfig",
-    "StateDictSettings",
-    "StateDictType",
-    "UnshardHandle",
-    "fully_shard",
-    "register_fsdp_forward_method",
-    "share_comm_ctx",
-)
-_WRAP_NAMES: tuple[str, ...] = (
-    "CustomPolicy",
-    "ModuleWrapPolicy",
-    "always_wrap_policy",
-    "enable_wrap",
-    "lambda_auto_wrap_policy",
-    "size_based_auto_wrap_policy",
-    "transformer_auto_wrap_policy",
-    "wrap",
-)
-
 # Top-level packages never scanned: torch's own (see the note) and shard's.
 _NEVER_SCANNED = ("torch", "torchgen", "functorch")
 
@@ -189,16 +148,20 @@ class _Patch:
             importlib.import_module(module_name)
         torch_fsdp = sys.modules["torch.distributed.fsdp"]
         torch_wrap = sys.modules["torch.distributed.fsdp.wrap"]
-        pairs = [(torch_fsdp, shard_runtime, n) for n in _FSDP_NAMES]
-        pairs += [(torch_wrap, shard_runtime.wrap, n) for n in _WRAP_NAMES]
+        # PyTorch's public names, each paired with shard's object of the same name (all of
+        # torch.distributed.fsdp's __all__ in torch 2.13; shard_runtime.wrap mirrors
+        # torch.distributed.fsdp.wrap name for name).
+        pairs = [(torch_fsdp, shard_runtime, n) for n in torch_fsdp.__all__]
+        pairs += [(torch_wrap, shard_runtime.wrap, n) for n in shard_runtime.wrap.__all__]
         to_shard: dict[int, tuple[object, object, str]] = {}
         to_torch: dict[int, object] = {}
         for torch_module, shard_module, name in pairs:
-            # A name another torch release lacks is simply not rebound.
+            # A name another torch release lacks, or adds before shard has it (the compat
+            # table's test names those), is simply not rebound.
             original = getattr(torch_module, name, None)
-            if original is None:
+            replacement = getattr(shard_module, name, None)
+            if original is None or replacement is None:
                 continue
-            replacement = getattr(shard_module, name)
             to_shard[id(original)] = (original, replacement, name)
             to_torch[id(replacement)] = original
         self.to_shard, self.to_torch = to_shard, to_torch
