@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shard_runtime import flat_shard_placement, fully_shard
-from shard_runtime._flat_shard import shard_numel
+from shard_runtime._flat_placement import shard_numel
 from shard_testing import RankPool, train_reference
 from shard_testing.models import ToyNet, toy_batches, train_toy
 

@@ -24,7 +24,7 @@ state. A state dict shows that state in the parameter's full shape instead
 full form), as the model state dict shows the parameter, so a checkpoint
 saved flat at N ranks loads at M ranks, flat or not, and into an unsharded
 model. Loading cuts this rank's flat piece back out of the full-shape value.
-The conversions are ``shard_runtime._flat_shard``'s (see [Note: flat
+The conversions are ``shard_runtime._flat_placement``'s (see [Note: flat
 shards in state dicts] there); each gathers the value once.
 
 [Note: optimizer state before the first step]

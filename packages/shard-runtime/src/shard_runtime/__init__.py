@@ -11,7 +11,7 @@ wrap planning) is in :mod:`shard_runtime.plumbing`, not here.
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
 from shard_runtime._comm import share_comm_ctx
-from shard_runtime._flat_shard import FlatShard, flat_shard_placement
+from shard_runtime._flat_placement import FlatShard, flat_shard_placement
 from shard_runtime._fully_shard import (
     FSDPModule,
     UnshardHandle,

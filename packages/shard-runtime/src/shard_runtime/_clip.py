@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_runtime._flat_param import FlatParamGroup
+from shard_runtime._flat_buffer_layout import FlatBufferLayout
 from shard_runtime._state import states_in
 
 __all__ = ["clip_grad_norm"]
@@ -27,7 +27,7 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     shard_world = 1
     for s in states:
         group = s.unit.group
-        assert isinstance(group, FlatParamGroup)
+        assert isinstance(group, FlatBufferLayout)
         shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
         held.update((id(p), p) for p in group.registered_params())
     # The model's parameter order, as PyTorch sums the per-parameter norms: the float

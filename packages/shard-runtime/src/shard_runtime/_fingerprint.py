@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from shard_core.errors import ModelMismatchError
-from shard_runtime._flat_param import FlatParamGroup
-from shard_runtime._per_param import PerParamGroup
+from shard_runtime._flat_buffer_layout import FlatBufferLayout
+from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._unit import Unit
 
 __all__ = ["check_same_model", "check_same_tensors", "describe_units"]
@@ -63,12 +63,12 @@ def describe_units(units: Sequence[Unit]) -> list[str]:
         label = unit.label if index else ""
         entries.append(f"unit {label or '(root)'!r}")
         group = unit.group
-        if isinstance(group, PerParamGroup):
+        if isinstance(group, PerParamLayout):
             for p in group.params:
                 entries.append(
                     _param_entry(p.fqn, tuple(p.full_shape), p.sharded_param.dtype, p.requires_grad)
                 )
-        elif isinstance(group, FlatParamGroup) and group.layout is not None:
+        elif isinstance(group, FlatBufferLayout) and group.layout is not None:
             # The layout keeps full shapes: with use_orig_params the parameters
             # themselves are views of this rank's shard by now.
             dtype = group.layout.dtype

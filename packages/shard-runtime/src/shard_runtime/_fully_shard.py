@@ -26,7 +26,7 @@ from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._comm import separate_reduce_scatter_group
 from shard_runtime._compile import eager_hook, mark_managed_modules
-from shard_runtime._flat_shard import FlatShard, register_flat_state_dict_hooks
+from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
 from shard_runtime._options import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -34,7 +34,7 @@ from shard_runtime._options import (
     OffloadPolicy,
 )
 from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
-from shard_runtime._per_param import PerParamGroup
+from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._unit import ShardedState, Unit
 
@@ -505,7 +505,7 @@ def fully_shard(
             on ``dim`` (negative counts from the end; the dim must divide evenly
             unless it is 0), ``None`` on dim 0. :func:`flat_shard_placement`
             (it returns ``FlatShard()``) shards on the flattened storage, 1/N
-            at any world size; see ``_flat_shard.py``.
+            at any world size; see ``_flat_placement.py``.
         dp_mesh_dims: names the data-parallel axes of ``mesh``, which is then
             the whole mesh: every parameter must be a DTensor on it, replicated
             on those axes, and is sharded over ``shard`` (replicated over
@@ -556,7 +556,7 @@ def fully_shard(
     ]
     unit = Unit(
         label=label,
-        group=PerParamGroup(sharded, label),
+        group=PerParamLayout(sharded, label),
         mesh=mesh,
         mp_policy=mp_policy,
         compute_device=compute_device,

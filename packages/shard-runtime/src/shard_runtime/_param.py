@@ -54,7 +54,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shard_core import contiguous_stride, dim0_chunk_range, padded_dim0_size
-from shard_runtime._flat_shard import is_flat_layout
+from shard_runtime._flat_placement import is_flat_layout
 
 __all__ = [
     "DataParallelAxes",
@@ -154,8 +154,8 @@ class ShardedParam:
         normalized (see :func:`resolve_shard_dim`). ``pin_memory`` pins the
         shard (CPU offload with an accelerator) so its copies to the device
         can run asynchronously. ``flat`` asks for the flat layout (see
-        [Note: flat shards as 1-D DTensors] in ``_flat_shard.py``), applied
-        where :func:`~shard_runtime._flat_shard.is_flat_layout` says it helps.
+        [Note: flat shards as 1-D DTensors] in ``_flat_placement.py``), applied
+        where :func:`~shard_runtime._flat_placement.is_flat_layout` says it helps.
         """
         shard_world = mesh.size(-1)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)

@@ -67,7 +67,7 @@ from shard_runtime._compile import eager_hook
 from shard_runtime._fingerprint import check_same_model
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
-from shard_runtime._per_param import PerParamGroup
+from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._step_guard import watch_root
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
@@ -338,7 +338,7 @@ class UnitState:
         See [Note: parameters replaced before the first forward].
         """
         group = self.unit.group
-        if not isinstance(group, PerParamGroup) or self.unit.sharded_state is not (
+        if not isinstance(group, PerParamLayout) or self.unit.sharded_state is not (
             ShardedState.SHARDED
         ):
             return
@@ -405,7 +405,7 @@ class UnitState:
             unit = state.unit
             unit.reshard()  # waits for a gather in flight
             group = unit.group
-            if isinstance(group, PerParamGroup):
+            if isinstance(group, PerParamLayout):
                 for p in group.params:
                     p.unsharded_param.grad = None
                 group._with_grad.clear()  # the dropped reduction's bookkeeping
@@ -492,7 +492,7 @@ class UnitState:
                 if target.unit.unshard_in_backward:
                     self._prefetch(target)
         if unit.requires_gradient_sync:
-            if isinstance(unit.group, PerParamGroup):
+            if isinstance(unit.group, PerParamLayout):
                 # Zeros reach parameters without a gradient only when asked for, as in
                 # PyTorch; otherwise they keep grad None and the optimizer skips them.
                 unit.group.zero_unused_grads = unit.reduce_scatter_unused_params

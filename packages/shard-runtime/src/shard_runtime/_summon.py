@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shard_comms import all_gather
-from shard_runtime._flat_param import FlatParamGroup
+from shard_runtime._flat_buffer_layout import FlatBufferLayout
 from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._unit import ShardedState, TrainingState
 
@@ -104,7 +104,7 @@ def summon(
                 "use them without entering the context again"
             )
         group = s.unit.group
-        if with_grads and not (isinstance(group, FlatParamGroup) and group.use_orig_params):
+        if with_grads and not (isinstance(group, FlatBufferLayout) and group.use_orig_params):
             raise NotImplementedError(
                 f"summon_full_params: with_grads=True needs use_orig_params=True, but the unit "
                 f"{s.unit.label!r} was wrapped with use_orig_params=False; wrap with "
@@ -145,7 +145,7 @@ def _summon_group(
 ) -> Iterator[None]:
     unit = state.unit
     group = unit.group
-    if group.is_empty or not isinstance(group, FlatParamGroup):
+    if group.is_empty or not isinstance(group, FlatBufferLayout):
         yield
         return
     if unit.sharded_state is not ShardedState.SHARDED:

@@ -7,10 +7,10 @@ decides where the bytes are. Two layouts implement it:
 - per-parameter (``fully_shard``): every parameter is its own ``Shard(0)``
   DTensor; the all-gather input is the concatenation of each parameter's
   padded shard, and the gathered buffer is copied out into one full tensor
-  per parameter (``_per_param.py``);
+  per parameter (``_per_param_layout.py``);
 - flat (``FullyShardedDataParallel``): the unit's parameters are one flat
   buffer sharded by element range; the all-gather lands directly in the flat
-  unsharded buffer the original parameters are views of (``_flat_param.py``).
+  unsharded buffer the original parameters are views of (``_flat_buffer_layout.py``).
 
 Both see the all-gather output as ``(world, gather_numel)``: row ``r`` is what
 rank ``r`` sent. The reduce input has the same shape over the trainable

@@ -2,7 +2,7 @@
 
 Same constructor, defaults and methods as PyTorch's wrapper, so a script
 switches by changing its import line. Each wrapper instance is one unit whose
-parameters live in one flat buffer (:class:`~shard_runtime._flat_param.FlatParamGroup`);
+parameters live in one flat buffer (:class:`~shard_runtime._flat_buffer_layout.FlatBufferLayout`);
 the hooks, prefetching, root logic and communication are the engine's
 (:class:`~shard_runtime._state.UnitState`, :class:`~shard_runtime._unit.Unit`),
 shared with ``fully_shard``.
@@ -54,8 +54,7 @@ from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._clip import clip_grad_norm
-from shard_runtime._flat_param import FlatParamGroup, FlatParamSpec
-from shard_runtime._flat_units import record_buffer_dtype
+from shard_runtime._flat_buffer_layout import FlatBufferLayout, FlatParamSpec
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._param import ParamOwner
@@ -88,6 +87,7 @@ from shard_runtime._wrapper_options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from shard_runtime._wrapper_unit_view import record_buffer_dtype
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -221,7 +221,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             torch.device("cpu") if self.cpu_offload.offload_params else shared.compute_device
         )
         mp = self.mixed_precision
-        group = FlatParamGroup(
+        group = FlatBufferLayout(
             specs,
             rank=shard_rank,
             world=mesh.size(-1),

@@ -11,16 +11,21 @@ the packages that use them; a training script needs only what
 ``shard_comms``).
 """
 
-from shard_runtime._flat_shard import (
+from shard_runtime._flat_placement import (
     flat_sharded_params,
     flat_to_rows,
     full_to_flat,
     is_flat_layout,
 )
-from shard_runtime._flat_units import FlatUnit, FlatUnitParam, flat_units, original_buffer_dtypes
 from shard_runtime._param import ShardedParam
 from shard_runtime._state import clean_fqn
 from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
+from shard_runtime._wrapper_unit_view import (
+    FlatUnit,
+    FlatUnitParam,
+    flat_units,
+    original_buffer_dtypes,
+)
 
 __all__ = [
     "FlatUnit",

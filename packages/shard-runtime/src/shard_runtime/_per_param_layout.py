@@ -21,10 +21,10 @@ import torch
 
 from shard_runtime._param import ShardedParam
 
-__all__ = ["PerParamGroup"]
+__all__ = ["PerParamLayout"]
 
 
-class PerParamGroup:
+class PerParamLayout:
     """A :class:`~shard_runtime._unit_layout.UnitLayout` of :class:`ShardedParam` s."""
 
     def __init__(self, params: list[ShardedParam], label: str) -> None:

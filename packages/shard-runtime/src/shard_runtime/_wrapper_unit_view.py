@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shard_comms import all_gather
 from shard_core import FlatLayout, ShardMetadata
-from shard_runtime._flat_param import FlatParamGroup
+from shard_runtime._flat_buffer_layout import FlatBufferLayout
 from shard_runtime._state import UnitState, clean_fqn, get_state
 from shard_runtime._unit import ShardedState
 
@@ -87,7 +87,7 @@ class FlatUnit:
     def shard(self) -> torch.Tensor:
         """This rank's flat shard: ``layout.shard_numel(world)`` elements, zero-padded."""
         group = self._state.unit.group
-        assert isinstance(group, FlatParamGroup)
+        assert isinstance(group, FlatBufferLayout)
         return group.shard
 
     @property
@@ -138,7 +138,7 @@ def flat_units(model: nn.Module) -> list[FlatUnit]:
             continue
         seen.add(id(state))
         group = state.unit.group
-        if group.is_empty or not isinstance(group, FlatParamGroup):
+        if group.is_empty or not isinstance(group, FlatBufferLayout):
             continue
         assert group.layout is not None
         params = tuple(

@@ -71,7 +71,7 @@ from torch import nn
 from shard_core import FlatLayout, ParamSpec
 from shard_runtime._param import ParamOwner
 
-__all__ = ["FlatParamGroup", "FlatParamSpec"]
+__all__ = ["FlatBufferLayout", "FlatParamSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +83,7 @@ class FlatParamSpec:
     owners: list[ParamOwner]
 
 
-class FlatParamGroup:
+class FlatBufferLayout:
     """A :class:`~shard_runtime._unit_layout.UnitLayout` over one flat buffer (module doc)."""
 
     def __init__(
