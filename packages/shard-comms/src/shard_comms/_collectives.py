@@ -221,6 +221,37 @@ def _check_contiguous(tensor: torch.Tensor, caller: str, what: str) -> None:
         )
 
 
+def _stage(
+    tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tensor`` as a flat, contiguous tensor in ``dtype``.
+
+    A view of ``tensor`` when it already is one; else a copy in a buffer
+    leased on ``device``, returned second so the caller releases it when the
+    collective is finished.
+    """
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor.view(-1), None
+    base = buffer_cache().acquire(tensor.numel(), dtype, device)
+    flat = base[: tensor.numel()]
+    flat.view(tensor.shape).copy_(tensor)
+    return flat, base
+
+
+def _record(
+    kind: CollectiveKind,
+    flat: torch.Tensor,
+    size: int,
+    group: ProcessGroup | None,
+    label: str | None,
+    phase: str | None,
+) -> FlightEntry | None:
+    """Count one collective over ``flat`` and open its flight-recorder entry."""
+    nbytes = flat.numel() * flat.element_size()
+    record_collective(kind, nbytes, label, size)
+    return flight_recorder().issue(kind, label, phase, group, flat.numel(), nbytes, flat.dtype)
+
+
 def _gather(
     output: torch.Tensor,
     source: torch.Tensor,
@@ -306,20 +337,9 @@ def all_gather(
         if flat_out.data_ptr() != shard.data_ptr() or flat_out.dtype != shard.dtype:
             flat_out.view(shard.shape).copy_(shard)
         return _DONE
-    cache = buffer_cache()
-    staged: torch.Tensor | None = None
-    if shard.dtype != output.dtype or not shard.is_contiguous():
-        staged = cache.acquire(numel, output.dtype, output.device)
-        source = staged[:numel]
-        source.view(shard.shape).copy_(shard)
-    else:
-        source = shard.view(-1)
-    nbytes = flat_out.numel() * flat_out.element_size()
+    source, staged = _stage(shard, output.dtype, output.device)
     with _profiler_range("all_gather", label):
-        record_collective("all_gather", nbytes, label, size)
-        entry = flight_recorder().issue(
-            "all_gather", label, phase, group, flat_out.numel(), nbytes, flat_out.dtype
-        )
+        entry = _record("all_gather", flat_out, size, group, label, phase)
         try:
             work = _gather(flat_out, source, size, group, async_op)
         except RuntimeError as exc:
@@ -328,7 +348,7 @@ def all_gather(
         return _issued(entry, work, None, async_op)
 
     def finish() -> None:
-        cache.release(staged)
+        buffer_cache().release(staged)
 
     return _issued(entry, work, finish, async_op)
 
@@ -392,12 +412,8 @@ def _issue_reduce_scatter(
     [Note: Reduce-scatter on gloo].
     """
     n = source.numel() // size
-    nbytes = source.numel() * source.element_size()
     with _profiler_range("reduce_scatter", label):
-        record_collective("reduce_scatter", nbytes, label, size)
-        entry = flight_recorder().issue(
-            "reduce_scatter", label, phase, group, source.numel(), nbytes, source.dtype
-        )
+        entry = _record("reduce_scatter", source, size, group, label, phase)
         try:
             if use_all_reduce:
                 work = dist.all_reduce(source, group=group, async_op=async_op)
@@ -457,13 +473,7 @@ def reduce_scatter(
         _reduce_locally(output, grad, rdt, pre, post)
         return _DONE
     cache = buffer_cache()
-    in_base: torch.Tensor | None = None
-    if grad.dtype != rdt or not grad.is_contiguous():
-        in_base = cache.acquire(grad.numel(), rdt, grad.device)
-        source = in_base[: grad.numel()]
-        source.view(grad.shape).copy_(grad)
-    else:
-        source = grad.view(-1)
+    source, in_base = _stage(grad, rdt, grad.device)
     if pre != 1.0:
         source.div_(pre)
     flat_out = output.view(-1)
@@ -518,24 +528,14 @@ def all_reduce(
     pre, post = resolve_divide_factors(op, size, pre_divide, post_divide)
     rdt = tensor.dtype if reduce_dtype is None else reduce_dtype
     cache = buffer_cache()
-    staged: torch.Tensor | None = None
-    if tensor.dtype != rdt or not tensor.is_contiguous():
-        staged = cache.acquire(tensor.numel(), rdt, tensor.device)
-        work_tensor = staged[: tensor.numel()]
-        work_tensor.view(tensor.shape).copy_(tensor)
-    else:
-        work_tensor = tensor.view(-1)
+    work_tensor, staged = _stage(tensor, rdt, tensor.device)
     if pre != 1.0:
         work_tensor.div_(pre)
     work: dist.Work | None = None
     entry: FlightEntry | None = None
     if size > 1:
         with _profiler_range("all_reduce", label):
-            nbytes = work_tensor.numel() * work_tensor.element_size()
-            record_collective("all_reduce", nbytes, label, size)
-            entry = flight_recorder().issue(
-                "all_reduce", label, phase, group, work_tensor.numel(), nbytes, rdt
-            )
+            entry = _record("all_reduce", work_tensor, size, group, label, phase)
             try:
                 work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
             except RuntimeError as exc:
@@ -568,11 +568,7 @@ def broadcast(
         return _DONE
     _check_contiguous(tensor, "broadcast", "tensor")
     with _profiler_range("broadcast", label):
-        nbytes = tensor.numel() * tensor.element_size()
-        record_collective("broadcast", nbytes, label, size)
-        entry = flight_recorder().issue(
-            "broadcast", label, phase, group, tensor.numel(), nbytes, tensor.dtype
-        )
+        entry = _record("broadcast", tensor, size, group, label, phase)
         try:
             work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
         except RuntimeError as exc:

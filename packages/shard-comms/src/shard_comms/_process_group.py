@@ -19,6 +19,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -355,24 +356,18 @@ def init_distributed(
         plan = plan_init(parse_launch_env(), handle, backend=backend, timeout=wanted_timeout)
         if plan.device.type != "cpu":
             handle.set_device(plan.device)
+        # A world of one (no init method) rendezvouses in an in-memory store.
+        rendezvous: dict[str, Any] = {"init_method": plan.init_method}
         if plan.init_method is None:
-            dist.init_process_group(
-                plan.backend,
-                store=HashStore(),
-                rank=0,
-                world_size=1,
-                timeout=plan.timeout,
-                device_id=plan.device if plan.device.type != "cpu" else None,
-            )
-        else:
-            dist.init_process_group(
-                plan.backend,
-                init_method=plan.init_method,
-                rank=plan.rank,
-                world_size=plan.world_size,
-                timeout=plan.timeout,
-                device_id=plan.device if plan.device.type != "cpu" else None,
-            )
+            rendezvous = {"store": HashStore()}
+        dist.init_process_group(
+            plan.backend,
+            **rendezvous,
+            rank=plan.rank,
+            world_size=plan.world_size,
+            timeout=plan.timeout,
+            device_id=plan.device if plan.device.type != "cpu" else None,
+        )
         _STATE = DistributedState(
             backend=plan.backend,
             rank=plan.rank,
