@@ -58,17 +58,13 @@ class OptimStateDictMethods:
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             return dict(optim_state_dict if optim_state_dict is not None else optim.state_dict())
         config = settings.optim_state_dict_config
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict(
-                model,
-                optim,
-                settings.state_dict_type.name,
-                offload_to_cpu=config.offload_to_cpu,
-                rank0_only=isinstance(config, FullOptimStateDictConfig) and config.rank0_only,
-                optim_state_dict=optim_state_dict,
-            )
+        return _gathered(
+            model,
+            optim,
+            settings.state_dict_type,
+            offload_to_cpu=config.offload_to_cpu,
+            rank0_only=isinstance(config, FullOptimStateDictConfig) and config.rank0_only,
+            optim_state_dict=optim_state_dict,
         )
 
     @staticmethod
@@ -106,16 +102,12 @@ class OptimStateDictMethods:
             loadable = dict(optim_state_dict)
         else:
             config = settings.optim_state_dict_config
-            loadable = (
-                get_registry()
-                .state_dict_backend()
-                .optim_state_dict_to_load(
-                    model,
-                    optim,
-                    optim_state_dict,
-                    broadcast_from_rank0=isinstance(config, FullOptimStateDictConfig)
-                    and config.rank0_only,
-                )
+            loadable = _loadable(
+                model,
+                optim,
+                optim_state_dict,
+                broadcast_from_rank0=isinstance(config, FullOptimStateDictConfig)
+                and config.rank0_only,
             )
         if load_directly:
             optim.load_state_dict(loadable)
@@ -132,17 +124,12 @@ class OptimStateDictMethods:
         """Full optimizer state on the CPU per parameter name; ``{}`` on ranks but 0 by default."""
         _no_optim_input(optim_input, "full_optim_state_dict")
         _no_group(group, "full_optim_state_dict")
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict(
-                model,
-                optim,
-                StateDictType.FULL_STATE_DICT.name,
-                offload_to_cpu=True,
-                rank0_only=rank0_only,
-                optim_state_dict=None,
-            )
+        return _gathered(
+            model,
+            optim,
+            StateDictType.FULL_STATE_DICT,
+            offload_to_cpu=True,
+            rank0_only=rank0_only,
         )
 
     @staticmethod
@@ -153,17 +140,12 @@ class OptimStateDictMethods:
     ) -> dict[str, Any]:
         """Optimizer state per parameter name as ``Shard(0)`` DTensors (for ``save``)."""
         _no_group(group, "sharded_optim_state_dict")
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict(
-                model,
-                optim,
-                StateDictType.SHARDED_STATE_DICT.name,
-                offload_to_cpu=False,
-                rank0_only=False,
-                optim_state_dict=None,
-            )
+        return _gathered(
+            model,
+            optim,
+            StateDictType.SHARDED_STATE_DICT,
+            offload_to_cpu=False,
+            rank0_only=False,
         )
 
     @staticmethod
@@ -175,15 +157,11 @@ class OptimStateDictMethods:
     ) -> dict[str, Any]:
         """This rank's loadable state from a full one every rank holds (no communication)."""
         _no_optim_input(optim_input, "shard_full_optim_state_dict")
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict_to_load(
-                model,
-                _need_optim(optim, "shard_full_optim_state_dict"),
-                full_optim_state_dict,
-                broadcast_from_rank0=False,
-            )
+        return _loadable(
+            model,
+            _need_optim(optim, "shard_full_optim_state_dict"),
+            full_optim_state_dict,
+            broadcast_from_rank0=False,
         )
 
     @staticmethod
@@ -197,15 +175,11 @@ class OptimStateDictMethods:
         """This rank's loadable state from a full one only rank 0 holds (others pass ``None``)."""
         _no_optim_input(optim_input, "scatter_full_optim_state_dict")
         _no_group(group, "scatter_full_optim_state_dict")
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict_to_load(
-                model,
-                _need_optim(optim, "scatter_full_optim_state_dict"),
-                full_optim_state_dict or {},
-                broadcast_from_rank0=True,
-            )
+        return _loadable(
+            model,
+            _need_optim(optim, "scatter_full_optim_state_dict"),
+            full_optim_state_dict or {},
+            broadcast_from_rank0=True,
         )
 
     @staticmethod
@@ -215,13 +189,7 @@ class OptimStateDictMethods:
         optim: torch.optim.Optimizer,
     ) -> dict[str, Any]:
         """This rank's loadable state from a sharded one (any world size; a collective)."""
-        return (
-            get_registry()
-            .state_dict_backend()
-            .optim_state_dict_to_load(
-                model, optim, sharded_optim_state_dict, broadcast_from_rank0=False
-            )
-        )
+        return _loadable(model, optim, sharded_optim_state_dict, broadcast_from_rank0=False)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -250,6 +218,47 @@ class OptimStateDictMethods:
             .state_dict_backend()
             .rekey_optim_state_dict(optim_state_dict, optim_state_key_type.name, model, optim)
         )
+
+
+def _gathered(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    state_dict_type: StateDictType,
+    *,
+    offload_to_cpu: bool,
+    rank0_only: bool,
+    optim_state_dict: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``optim``'s state per parameter name, from the state-dict backend (a collective)."""
+    return (
+        get_registry()
+        .state_dict_backend()
+        .optim_state_dict(
+            model,
+            optim,
+            state_dict_type.name,
+            offload_to_cpu=offload_to_cpu,
+            rank0_only=rank0_only,
+            optim_state_dict=optim_state_dict,
+        )
+    )
+
+
+def _loadable(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Mapping[str, Any],
+    *,
+    broadcast_from_rank0: bool,
+) -> dict[str, Any]:
+    """What ``optim.load_state_dict`` takes, from the state-dict backend (a collective)."""
+    return (
+        get_registry()
+        .state_dict_backend()
+        .optim_state_dict_to_load(
+            model, optim, optim_state_dict, broadcast_from_rank0=broadcast_from_rank0
+        )
+    )
 
 
 def _no_group(group: dist.ProcessGroup | None, method: str) -> None:
