@@ -155,6 +155,8 @@ class DefaultGradReducer:
         else:
             target, work = self.scatter(grad, output)
             work.wait()
+            if target is not output:  # a custom reduce-scatter wrote into its own buffer
+                target = output.copy_(target)
         self.all_reduce_replicas(target)
 
     # - the two halves of ``reduce``; see [Note: One reduction path]

@@ -38,6 +38,32 @@ decides *where* the bytes live (per-parameter or flat layout).
 - ``comm_allocator`` takes the collectives' buffers from the process group's
   allocator where its backend has one (``"process_group"``, ``"symm_mem"``).
 
+[Note: Comm hooks on the one reduction path]
+A comm hook (the wrapper's ``register_comm_hook``) changes one step of the
+unit's reduction, the collectives, and nothing else: :meth:`Unit.reduce_grads`
+builds the same reducer (:meth:`Unit.grad_reducer`: the unit's groups,
+``reduce_scatter_group`` included, its divide plan, its custom reduce-scatter)
+and allocates the same buffers on the reduce-scatter stream, then calls either
+``reducer.scatter`` (asynchronous) or the hook through ``reduce_gradient``
+(synchronous: a hook's result is final when it returns). One ``finish``
+follows for both: the deferred replica all-reduce, the all-reduce hook, the
+division after it, the accumulation.
+
+On a 2-D mesh the hook is handed the whole reduction (reduce-scatter, then
+the replica all-reduce, which a compressing hook then compresses too) only
+when that all-reduce runs now with nothing deferred before it. Otherwise,
+while ``requires_all_reduce`` is ``False`` and in the first reduction after a
+deferral, its reducer has no replicate group: the hook reduce-scatters, and
+``finish`` adds the kept partial and runs (or defers again) the replica
+all-reduce itself, in the reduce dtype. Adding the partial between the two
+collectives is what makes the deferred result the eager one, and an identity
+hook gives bitwise the gradients of no hook in every case. A hook that
+reduces over process groups of its own instead of through its reducer cannot
+be combined with a deferred all-reduce: its result would be all-reduced again.
+``requires_all_reduce`` and the all-reduce hook are read when the reduction
+is issued, so a reduction that lands later (see ``set_is_last_backward``)
+keeps the settings of its backward.
+
 [Note: Gradient hooks hold the unit weakly]
 A post-accumulate-grad hook is kept alive by the autograd engine's C++ side
 of the unsharded parameter, where Python's cycle collector cannot see it. A
@@ -204,9 +230,9 @@ class Unit:
     _grads_ready: int = 0
     _post_event: EventLike | None = None
     _materialized: bool = False  # no shard on the meta device; checked once per init_compute
-    comm_hook: CommHook | None = (
-        None  # replaces the default reduction (wrapper's register_comm_hook)
-    )
+    # replaces the collectives of a reduction (wrapper's register_comm_hook); see
+    # [Note: Comm hooks on the one reduction path]
+    comm_hook: CommHook | None = None
     on_all_grads_ready: Callable[[Unit], None] | None = None
     # - communication controls (FSDPModule.set_*); see [Note: Communication controls]
     gradient_divide_factor: float | None = None
@@ -400,67 +426,98 @@ class Unit:
         pre, post = default_divide_factors(dp_size)
         return DividePlan(pre, 1.0 if hsdp else post, post if hsdp else 1.0, 1.0)
 
+    def grad_reducer(self, plan: DividePlan, *, replicas: bool = True) -> DefaultGradReducer:
+        """This unit's reducer for a reduction divided by ``plan``.
+
+        Its group (``reduce_scatter_group``, else the shard group), replicate
+        group, divide factors and custom reduce-scatter are the unit's; the
+        default path and a comm hook use the same one (see [Note: Comm hooks
+        on the one reduction path]). ``replicas=False`` leaves the replicate
+        group out: the reducer then stops after the reduce-scatter.
+        """
+        replicate = self.replicate_group if replicas else None
+        # On a 1-D mesh ``after_all_reduce`` is 1; on a 2-D one ``after_scatter`` is.
+        post = plan.after_scatter * (plan.after_all_reduce if replicate is not None else 1.0)
+        return DefaultGradReducer(
+            self.reduce_scatter_group or self.shard_group,
+            replicate_group=replicate,
+            op="sum",
+            pre_divide=plan.before,
+            post_divide=post,
+            custom_reduce_scatter=self.custom_reduce_scatter,
+            label=self.comm_label,
+        )
+
     def reduce_grads(self) -> PendingReduce | None:
-        """Issue the reduce-scatter of this unit's full gradients; ``None`` if there are none.
+        """Issue the reduction of this unit's full gradients; ``None`` if there are none.
 
         The result is averaged over every data-parallel rank (shard x
         replicate) unless the unit's communication controls say otherwise (see
         [Note: Communication controls]). With ``reduce_scatter_unused_params``
-        a unit that got no gradient reduces zeros.
+        a unit that got no gradient reduces zeros. A ``comm_hook`` replaces
+        the reduce-scatter (and the replica all-reduce when it can run at
+        once); everything else is the same code (see [Note: Comm hooks on the
+        one reduction path]).
         """
         if self.group.num_trainable == 0 or not (
             self.group.has_unsharded_grads() or self.reduce_scatter_unused_params
         ):
             return None
-        if self.comm_hook is not None:
-            return self._reduce_with_hook(self.comm_hook)
         reduce_dtype = self._reduce_dtype()
         plan = self.divide_plan(reduce_dtype)
-        world = self.shard_world
-        group = self.reduce_scatter_group or self.shard_group
-        # See [Note: One reduction path] in shard-comms.
-        reducer = DefaultGradReducer(
-            group,
-            replicate_group=self.replicate_group,
-            op="sum",
-            pre_divide=plan.before,
-            post_divide=plan.after_scatter * plan.after_all_reduce,
-            custom_reduce_scatter=self.custom_reduce_scatter,
-            label=self.comm_label,
+        hook = self.comm_hook
+        all_reduce_now = self.requires_all_reduce
+        # See [Note: Comm hooks on the one reduction path].
+        hook_replicates = (
+            hook is not None
+            and self.replicate_group is not None
+            and all_reduce_now
+            and self._partial_reduce is None
         )
+        reducer = self.grad_reducer(plan)
+        group = reducer.group
+        assert group is not None
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
         stream = streams.reduce_scatter
         stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
-            full = self.group.reduce_input(world, reduce_dtype, self.compute_device)
+            full = self.group.reduce_input(self.shard_world, reduce_dtype, self.compute_device)
             into: torch.Tensor | None = None  # a custom reduce-scatter allocates its own
-            if self.custom_reduce_scatter is None:
-                if self._group_allocates(group):
-                    staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
-                    full = staged.copy_(full)
-                    into = comm_buffer(
-                        self.group.reduce_numel(), reduce_dtype, self.compute_device, group
-                    )
-                else:
-                    into = torch.empty(
-                        self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
-                    )
-            output, work = reducer.scatter(full, into, async_op=True)
+            if self.custom_reduce_scatter is None and self._group_allocates(group):
+                staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
+                full = staged.copy_(full)
+                into = comm_buffer(
+                    self.group.reduce_numel(), reduce_dtype, self.compute_device, group
+                )
+            elif self.custom_reduce_scatter is None or hook is not None:
+                into = torch.empty(
+                    self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
+                )
+            if hook is None:
+                output, work = reducer.scatter(full, into, async_op=True)
+            else:
+                assert into is not None
+                hook_reducer = (
+                    reducer if hook_replicates else self.grad_reducer(plan, replicas=False)
+                )
+                reduce_gradient(full, into, hook_reducer, hook)
+                output, work = into, CommHandle(None, None)
             done = stream.record_event()
+        all_reduce_hook = self.all_reduce_hook
 
         def finish() -> None:
             done.wait(streams.current())
-            if self.replicate_group is not None:
+            if self.replicate_group is not None and not hook_replicates:
                 if self._partial_reduce is not None:
                     output.add_(self._partial_reduce)
                     self._partial_reduce = None
-                if not self.requires_all_reduce:
+                if not all_reduce_now:
                     self._partial_reduce = output
                     return
                 reducer.all_reduce_replicas(output)
-            if self.all_reduce_hook is not None:
-                self._run_all_reduce_hook(self.all_reduce_hook, output)
+            if all_reduce_hook is not None:
+                self._run_all_reduce_hook(all_reduce_hook, output)
             if plan.after_hook != 1.0:
                 output.div_(plan.after_hook)
             self.group.accumulate(output)
@@ -480,19 +537,6 @@ class Unit:
         with streams.handle.stream(hook_stream):
             hook(output)
         streams.current().wait_stream(hook_stream)
-
-    def _reduce_with_hook(self, hook: CommHook) -> PendingReduce:
-        """Run a user's comm hook synchronously over the default reducer of this unit."""
-        reduce_dtype = self._reduce_dtype()
-        full = self.group.reduce_input(self.shard_world, reduce_dtype, self.compute_device)
-        output = torch.empty(
-            self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
-        )
-        reducer = DefaultGradReducer(
-            self.shard_group, replicate_group=self.replicate_group, label=self.comm_label
-        )
-        reduce_gradient(full, output, reducer, hook)
-        return PendingReduce(CommHandle(None, None), lambda: self.group.accumulate(output))
 
 
 def _weak_grad_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
