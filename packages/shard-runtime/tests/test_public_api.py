@@ -52,6 +52,7 @@ PLUMBING = [
     "FlatUnitParam",
     "ShardedParam",
     "clean_fqn",
+    "contiguous_dtensor",
     "flat_sharded_params",
     "flat_to_rows",
     "flat_units",

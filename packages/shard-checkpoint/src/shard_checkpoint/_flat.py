@@ -27,9 +27,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_checkpoint._errors import StateDictError
-from shard_checkpoint._tensors import contiguous_stride
 from shard_core import dim0_chunk_range
-from shard_runtime.plumbing import FlatUnit
+from shard_runtime.plumbing import FlatUnit, contiguous_dtensor
 
 __all__ = ["FLAT_PARAM", "chunk_of", "flat_key", "gather_full", "local_flat", "write_shard"]
 
@@ -64,14 +63,7 @@ def chunk_of(full: torch.Tensor, unit: FlatUnit, *, offload_to_cpu: bool) -> DTe
     if offload_to_cpu:
         local = local.cpu()
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
-    return DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=full.shape,
-        stride=contiguous_stride(full.shape),
-    )
+    return contiguous_dtensor(local, mesh, placements, full.shape)
 
 
 def local_flat(unit: FlatUnit, value: torch.Tensor, *, key: str) -> torch.Tensor:

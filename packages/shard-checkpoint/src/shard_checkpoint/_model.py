@@ -64,7 +64,13 @@ from shard_checkpoint._options import (
 )
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
 from shard_runtime import FSDPModule
-from shard_runtime.plumbing import FlatUnit, clean_fqn, flat_units, original_buffer_dtypes
+from shard_runtime.plumbing import (
+    FlatUnit,
+    clean_fqn,
+    contiguous_dtensor,
+    flat_units,
+    original_buffer_dtypes,
+)
 
 __all__ = [
     "IncompatibleKeys",
@@ -431,14 +437,7 @@ def _local_dtensor(unit: FlatUnit, offload_to_cpu: bool) -> DTensor:
         local = local.cpu()
     mesh = unit.mesh
     total = unit.world * unit.shard_numel
-    return DTensor.from_local(
-        local,
-        mesh,
-        [Replicate()] * (mesh.ndim - 1) + [Shard(0)],
-        run_check=False,
-        shape=torch.Size([total]),
-        stride=(1,),
-    )
+    return contiguous_dtensor(local, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], [total])
 
 
 def plain_entries(model: nn.Module, units: list[FlatUnit], *, keep_vars: bool) -> dict[str, Any]:

@@ -25,9 +25,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Partial, Placement, _StridedShard
 
 from shard_checkpoint._errors import StateDictError
-from shard_core import contiguous_stride, dim0_chunk_range
+from shard_core import dim0_chunk_range
+from shard_runtime.plumbing import contiguous_dtensor
 
-__all__ = ["contiguous_stride", "full_value", "local_chunk", "same_layout", "shard_like", "to_cpu"]
+__all__ = ["full_value", "local_chunk", "same_layout", "shard_like", "to_cpu"]
 
 
 def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
@@ -96,14 +97,7 @@ def shard_like(full: torch.Tensor, like: DTensor, *, key: str, copy: bool = Fals
     device = like.to_local().device
     piece = local_chunk(full, like, key=key)
     piece = piece.to(device=device, copy=copy, memory_format=torch.contiguous_format)
-    return DTensor.from_local(
-        piece,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=contiguous_stride(like.shape),
-    )
+    return contiguous_dtensor(piece, like.device_mesh, like.placements, like.shape)
 
 
 def same_layout(value: DTensor, like: DTensor) -> bool:

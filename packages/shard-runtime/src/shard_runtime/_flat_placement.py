@@ -55,7 +55,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shard_core import contiguous_stride
+from shard_runtime._dtensor import contiguous_dtensor
 
 if TYPE_CHECKING:
     from shard_runtime._param import ShardedParam
@@ -168,13 +168,8 @@ def flat_to_rows(sp: ShardedParam, value: DTensor) -> DTensor:
     """
     full = value.full_tensor().detach().view(sp.full_shape)
     start, length = _row_range(sp)
-    return DTensor.from_local(
-        full.narrow(0, start, length).clone(),
-        sp.dtensor_mesh,
-        sp.placements,
-        run_check=False,
-        shape=sp.full_shape,
-        stride=contiguous_stride(sp.full_shape),
+    return contiguous_dtensor(
+        full.narrow(0, start, length).clone(), sp.dtensor_mesh, sp.placements, sp.full_shape
     )
 
 
@@ -187,13 +182,11 @@ def full_to_flat(sp: ShardedParam, value: torch.Tensor) -> DTensor:
     full = value.full_tensor() if isinstance(value, DTensor) else value
     start = min(sp.shard_rank * sp.padded_rows, full.numel())
     local = full.detach().reshape(-1).narrow(0, start, sp.local_rows)
-    return DTensor.from_local(
+    return contiguous_dtensor(
         local.to(sp.padded_shard.device, copy=True),
         sp.dtensor_mesh,
         sp.placements,
-        run_check=False,
-        shape=sp.sharded_shape,
-        stride=contiguous_stride(sp.sharded_shape),
+        sp.sharded_shape,
     )
 
 

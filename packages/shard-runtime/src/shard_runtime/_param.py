@@ -53,7 +53,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from shard_core import contiguous_stride, dim0_chunk_range, padded_dim0_size
+from shard_core import dim0_chunk_range, padded_dim0_size
+from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import is_flat_layout
 
 __all__ = [
@@ -415,13 +416,8 @@ class ShardedParam:
                     local_grad, spec, requires_grad=False
                 )
             else:
-                self.sharded_param.grad = DTensor.from_local(
-                    local_grad,
-                    self.dtensor_mesh,
-                    self.placements,
-                    run_check=False,
-                    shape=self.sharded_shape,
-                    stride=contiguous_stride(self.sharded_shape),
+                self.sharded_param.grad = contiguous_dtensor(
+                    local_grad, self.dtensor_mesh, self.placements, self.sharded_shape
                 )
         else:
             grad_local = grad.to_local()  # type: ignore[attr-defined]
@@ -572,12 +568,5 @@ def _make_sharded_param(
     full_shape: torch.Size,
     requires_grad: bool,
 ) -> nn.Parameter:
-    dtensor = DTensor.from_local(
-        local,
-        mesh,
-        placements,
-        run_check=False,
-        shape=full_shape,
-        stride=contiguous_stride(full_shape),
-    )
+    dtensor = contiguous_dtensor(local, mesh, placements, full_shape)
     return nn.Parameter(dtensor, requires_grad=requires_grad)
