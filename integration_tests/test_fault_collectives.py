@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import IO, Any
 
@@ -254,9 +255,10 @@ def test_the_dump_holds_both_ranks_and_shard_debug_flight_names_the_difference(
     outcomes: dict[str, list[dict[str, Any]]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """SHARD_FLIGHT_RECORDER_DUMP wrote both records; `shard debug flight` shows the divergence."""
-    from shard_cli.__main__ import main
     from shard_comms import load_flight_dump
 
+    (command,) = entry_points(group="console_scripts", name="shard")
+    main = command.load()  # what the installed `shard` command runs
     directory = outcomes["_dump"][0]["dir"]
     assert sorted(load_flight_dump(directory)) == [0, 1]
     assert main(["debug", "flight", directory]) == 0

@@ -150,15 +150,15 @@ def test_run_with_every_gpu_hidden_says_so(tmp_path: Path) -> None:
 
 JUNIT_PASSED = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="0" skipped="0" tests="2">
-<testcase classname="integration_tests.test_gpu_runtime" name="test_a" time="0.1"/>
-<testcase classname="integration_tests.test_gpu_runtime" name="test_b" time="0.1"/>
+<testcase classname="integration_tests.test_gpu_comms" name="test_a" time="0.1"/>
+<testcase classname="integration_tests.test_gpu_comms" name="test_b" time="0.1"/>
 </testsuite></testsuites>
 """
 
 JUNIT_SKIPPED = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="0" skipped="1" tests="2">
-<testcase classname="integration_tests.test_gpu_runtime" name="test_a" time="0.1"/>
-<testcase classname="integration_tests.test_gpu_runtime" name="test_b" time="0.0">
+<testcase classname="integration_tests.test_gpu_comms" name="test_a" time="0.1"/>
+<testcase classname="integration_tests.test_gpu_comms" name="test_b" time="0.0">
 <skipped type="pytest.skip" message="needs CUDA">needs CUDA</skipped></testcase>
 </testsuite></testsuites>
 """
@@ -227,5 +227,5 @@ def test_report_table_from_a_world_size_one_bf16_bench_run(tmp_path: Path) -> No
         check=False,
     )
     assert bad.returncode == 1
-    assert "skipped: integration_tests.test_gpu_runtime::test_b: needs CUDA" in bad.stdout
+    assert "skipped: integration_tests.test_gpu_comms::test_b: needs CUDA" in bad.stdout
     assert "benchmark: no result" in bad.stdout

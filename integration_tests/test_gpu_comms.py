@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import shard_comms as sc
-from shard_comms import _process_group, plumbing
+from shard_comms import plumbing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,9 +35,8 @@ def nccl_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[sc.DistributedState]
     try:
         yield state
     finally:
+        # init_distributed creates or adopts a group afresh after this; nothing else to forget.
         dist.destroy_process_group()
-        monkeypatch.setattr(_process_group, "_STATE", None)
-        monkeypatch.setattr(_process_group, "_STATE_GROUP", None)
         plumbing.clear_buffer_cache()
 
 

@@ -7,17 +7,20 @@ import math
 import re
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 from torch import nn
 
-from shard_cli.__main__ import main as shard_main
 from shard_core import plan_wraps
 from shard_runtime.plumbing import resolve_wrap_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+# What the installed `shard` command runs: shard-cli's console script.
+(SHARD_COMMAND,) = entry_points(group="console_scripts", name="shard")
+shard_main = SHARD_COMMAND.load()
 
 
 def test_shard_plan_command_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:

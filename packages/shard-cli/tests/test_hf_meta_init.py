@@ -11,9 +11,9 @@ while building, sharding and initialising a model of sixteen 4 MiB layers
 grows by its shards and a few layers (under a quarter of the model), never
 by the whole model (the control, building it whole, does).
 
-Peaks are measured by ``shard_testing.memory.PeakMeter`` as in
-test_checkpoint_memory.py, after the same steps on a tiny model so that
-one-time costs (imports, caches) are not counted.
+Peaks are measured by ``shard_testing.memory.PeakMeter`` as in shard-checkpoint's
+``tests/test_memory.py``, after the same steps on a tiny model so that one-time
+costs (imports, caches) are not counted.
 """
 
 from __future__ import annotations

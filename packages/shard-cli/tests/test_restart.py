@@ -1,8 +1,8 @@
 """``--max-restarts``: what the launcher passes on, and what a restarted rank resumes from.
 
 The restart end to end (a rank killed, the run continuing exactly) is in
-``integration_tests/test_cli_restart.py``; these tests cover the decisions
-in one process, with checkpoints written by hand.
+``test_restart_end_to_end.py``; these tests cover the decisions in one
+process, with checkpoints written by hand.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ With ``--max-restarts 1`` the run exits 0 and its per-step losses equal the
 uninterrupted run's bit for bit; without it ``shard train`` exits 1 naming
 the killed rank, and the checkpoint it leaves reads back whole. (That a
 restart never takes a checkpoint an earlier launch left in the run directory
-is tested in ``packages/shard-cli/tests/test_restart.py``.)
+is tested in ``test_restart.py``.)
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_without_restarts_the_kill_ends_the_run_and_leaves_the_checkpoint_loadab
     """No --max-restarts: exit 1 naming rank 1; the step-3 checkpoint reads back whole.
 
     (``--resume`` from such a checkpoint continuing exactly is tested in
-    ``test_cli_train.py``; here every tensor is read back, in one process.)
+    ``test_train_end_to_end.py``; here every tensor is read back, in one process.)
     """
     args = [*TINY, "--steps", str(STEPS), "--sample-chars", "0", "--run-dir", "run"]
     killed = shard(*args, cwd=tmp_path, kill_at=5)

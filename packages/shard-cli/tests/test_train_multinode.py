@@ -1,7 +1,7 @@
 """README's several-machines ``torchrun`` command, run as two "machines" on this host.
 
-The command is read from README.md's "Several machines" section, so the test
-follows the README. Each machine is one ``torchrun`` started from its own
+The command is read from the "Several machines" section of the repository's
+README.md, so the test follows the README. Each machine is one ``torchrun`` started from its own
 working directory with the README's arguments, except for three changes that
 make it fit on one small host: ``HOST`` becomes 127.0.0.1 with a free port,
 one rank per machine, and a tiny model for three steps (flags appended after
@@ -25,7 +25,7 @@ from pathlib import Path
 from shard_cli import inspect_checkpoint
 from shard_cli._train_checkpoint import read_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository, whose README this test follows
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 STEPS = 3

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shard_comms as sc
-from shard_comms import _process_group, plumbing
+from shard_comms import plumbing
 from shard_runtime import (
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
@@ -43,9 +43,8 @@ def nccl_world() -> Iterator[sc.DistributedState]:
     try:
         yield state
     finally:
+        # init_distributed creates or adopts a group afresh after this; nothing else to forget.
         dist.destroy_process_group()
-        _process_group._STATE = None
-        _process_group._STATE_GROUP = None
 
 
 def _train(model: nn.Module, steps: int = 3) -> list[float]:
