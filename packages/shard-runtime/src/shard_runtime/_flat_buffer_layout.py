@@ -70,6 +70,7 @@ from torch import nn
 
 from shard_core import FlatLayout, ParamSpec
 from shard_runtime._param import ParamOwner
+from shard_runtime._storage import alloc_storage, free_storage
 
 __all__ = ["FlatBufferLayout", "FlatParamSpec"]
 
@@ -203,7 +204,7 @@ class FlatBufferLayout:
         dtype = param_dtype or self.shard.dtype
         self.unsharded = torch.empty(self.world * self.shard.numel(), dtype=dtype, device=device)
         self.unsharded_param = nn.Parameter(self.unsharded, requires_grad=self.requires_grad)
-        self._free()
+        free_storage(self.unsharded)
         if self.requires_grad:
             hook = self.unsharded_param.register_post_accumulate_grad_hook
             self._hook = hook(on_grad_ready)  # type: ignore[no-untyped-call]
@@ -224,19 +225,6 @@ class FlatBufferLayout:
                 self.shard = self.shard.to(dtype=moved[0].dtype, device=moved[0].device)
                 self._point_orig_params_at_shard()
 
-    # ------------------------------------------------------------------ storage
-
-    def _alloc(self) -> None:
-        storage = self.unsharded.untyped_storage()
-        nbytes = self.unsharded.numel() * self.unsharded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-
-    def _free(self) -> None:
-        storage = self.unsharded.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
     # ------------------------------------------------------------------ gather
 
     def gather_input(self, device: torch.device) -> torch.Tensor:
@@ -245,14 +233,14 @@ class FlatBufferLayout:
         return self.shard.to(device=device, dtype=self.gather_dtype, non_blocking=True)
 
     def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
-        self._alloc()
+        alloc_storage(self.unsharded)
         # ``.data`` aliases the storage with a version counter of its own, so the
         # collective's writes never reach the one autograd checks.
         return self.unsharded_param.data
 
     def finish_gather(self, gathered: torch.Tensor) -> None:
         if gathered.data_ptr() != self.unsharded.data_ptr():
-            self._alloc()
+            alloc_storage(self.unsharded)
             self.unsharded_param.data.copy_(gathered)
         self._register_unsharded_views()
 
@@ -287,7 +275,7 @@ class FlatBufferLayout:
             else:
                 self._register_placeholders()  # replaces the views in ``__dict__``
             self._views_registered = False
-        self._free()
+        free_storage(self.unsharded)
 
     @contextmanager
     def full_precision_views(self, full: torch.Tensor) -> Iterator[None]:

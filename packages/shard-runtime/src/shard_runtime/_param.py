@@ -56,6 +56,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from shard_core import dim0_chunk_range, padded_dim0_size
 from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import is_flat_layout
+from shard_runtime._storage import alloc_storage, free_storage
 
 __all__ = [
     "DataParallelAxes",
@@ -279,16 +280,11 @@ class ShardedParam:
 
     def alloc_unsharded(self) -> None:
         """Grow the unsharded storage back before the all-gathered data is written."""
-        storage = self.unsharded_padded.untyped_storage()
-        nbytes = self.unsharded_padded.numel() * self.unsharded_padded.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        alloc_storage(self.unsharded_padded)
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the ``Parameter`` object stays for autograd."""
-        storage = self.unsharded_padded.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
+        free_storage(self.unsharded_padded)
 
     @property
     def is_unsharded_allocated(self) -> bool:
