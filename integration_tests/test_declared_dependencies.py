@@ -29,18 +29,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from ._workspace import DISTRIBUTIONS, ROOT
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - CI runs 3.11
     tomllib = pytest.importorskip("tomli")
 
-ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = sorted(
-    p.relative_to(ROOT).as_posix()
-    for group in ("packages", "plugins")
-    for p in (ROOT / group).iterdir()
-    if (p / "pyproject.toml").is_file()
-)
 
 # Import name -> distribution, for the third-party modules our sources import.
 # A module missing here fails test_every_third_party_import_is_mapped: add it.

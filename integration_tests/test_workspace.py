@@ -21,18 +21,13 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from ._workspace import DISTRIBUTIONS, ROOT
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - CI runs 3.11
     tomllib = pytest.importorskip("tomli")
 
-ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = sorted(
-    p.relative_to(ROOT).as_posix()
-    for group in ("packages", "plugins")
-    for p in (ROOT / group).iterdir()
-    if (p / "pyproject.toml").is_file()
-)
 README_MAX_LINES = 60  # "a one-screen README.md"
 
 # Each package may depend on the layers below it (DESIGN.md, section 1), transitively.
@@ -102,15 +97,15 @@ def test_top_level_is_exactly_the_workspace() -> None:
 
 
 def test_the_bundled_distributions_are_found() -> None:
-    """The checks below see every package and plugin (and cannot pass on none)."""
-    assert {
-        "packages/shard-comms",
-        "packages/shard-core",
-        "packages/shard-testing",
+    """The per-distribution checks of integration_tests see the six layers and every bundled
+    plugin (so they cannot pass on none); a new distribution is found without a change here."""
+    assert {f"packages/{name}" for name in LAYER_DEPENDENCIES} | {
         "plugins/shard-comm-lowp",
         "plugins/shard-device-accel",
         "plugins/shard-device-cuda",
         "plugins/shard-wrap-example",
+        "plugins/shard-wrap-size",
+        "plugins/shard-wrap-transformer",
     } <= set(DISTRIBUTIONS)
 
 
