@@ -81,8 +81,7 @@ class Registry:
         self._pm = pm
         self._lock = threading.RLock()
         self._plugins: list[tuple[str, object]] = []
-        self._wrap_policies: dict[str, _Named[Callable[..., WrapPolicy]]] | None = None
-        self._comm_hooks: dict[str, _Named[CommHook]] | None = None
+        self._named: dict[str, dict[str, _Named[Any]]] = {}  # by hook name
         self._device_handles: dict[str, DeviceHandle] = {}
 
     def __repr__(self) -> str:
@@ -214,22 +213,19 @@ class Registry:
     # - internals
 
     def _wrap_policy_entries(self) -> dict[str, _Named[Callable[..., WrapPolicy]]]:
-        with self._lock:
-            self._forget_if_plugins_changed()
-            if self._wrap_policies is None:
-                self._wrap_policies = self._collect_named(
-                    "shard_wrap_policies", "wrap policy", "wrap-policy factories"
-                )
-            return self._wrap_policies
+        return self._named_entries("shard_wrap_policies", "wrap policy", "wrap-policy factories")
 
     def _comm_hook_entries(self) -> dict[str, _Named[CommHook]]:
+        return self._named_entries("shard_comm_hooks", "comm hook", "comm hooks")
+
+    def _named_entries(self, hook_name: str, kind: str, values: str) -> dict[str, _Named[Any]]:
+        """:meth:`_collect_named` once, until the registered plugins change."""
         with self._lock:
             self._forget_if_plugins_changed()
-            if self._comm_hooks is None:
-                self._comm_hooks = self._collect_named(
-                    "shard_comm_hooks", "comm hook", "comm hooks"
-                )
-            return self._comm_hooks
+            entries = self._named.get(hook_name)
+            if entries is None:
+                entries = self._named[hook_name] = self._collect_named(hook_name, kind, values)
+            return entries
 
     def _forget_if_plugins_changed(self) -> None:
         plugins = [(name, plugin) for name, plugin in self._pm.list_name_plugin()]
@@ -238,8 +234,7 @@ class Registry:
         )
         if not same:
             self._plugins = plugins
-            self._wrap_policies = None
-            self._comm_hooks = None
+            self._named = {}
             self._device_handles = {}
 
     def _collect_named(self, hook_name: str, kind: str, values: str) -> dict[str, _Named[Any]]:
