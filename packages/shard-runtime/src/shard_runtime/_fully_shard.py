@@ -96,7 +96,9 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the full parameters and register the sharded ones."""
-        self._shard().unit.reshard()
+        state = self._shard()
+        state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
+        state.unit.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather the full parameters; with ``async_op`` return a handle to wait on."""
@@ -106,6 +108,7 @@ class FSDPModule:
             # the tree is set up by that forward. See [Note: parameters replaced
             # before the first forward] in _state.py.
             state.adopt_replaced_params()
+        state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
         state.unit.unshard(async_op=async_op)
         return UnshardHandle(state) if async_op else None
 
@@ -123,11 +126,21 @@ class FSDPModule:
         self._shard().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Say whether the next backward is the last before the optimizer step.
+        """Say whether the next backward is the last one before the optimizer step.
 
-        Every backward waits for its reductions before returning, so this is
-        accepted for compatibility and changes nothing.
+        ``True`` by default; the setting holds until set again, for the whole
+        tree (it lives on the root). At the end of a last backward every
+        gradient reduction has landed in the sharded gradients. With ``False``
+        (micro-batches of gradient accumulation) the end of backward leaves
+        the last reductions in flight, so they overlap the next micro-batch's
+        forward; they land before their unit's next reduction, at the end of
+        the next last backward, or before a state dict, ``reset_iter_state``,
+        ``unshard``/``reshard`` or ``.to()``, never lost or counted twice
+        (see [Note: a backward that is not the last] in ``_state.py``). Read
+        gradients or step the optimizer only after a backward with ``True``.
         """
+        state = self._shard()
+        (state.root if state.root is not None else state).is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
@@ -401,6 +414,7 @@ class FSDPModule:
         # ``.to()``, ``.float()``, ``to_empty()`` swap new local tensors into the
         # sharded parameters; the unit adopts them afterwards.
         state = self._shard()
+        state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
         state.unit.reshard()
         result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         state.unit.reset_after_apply()

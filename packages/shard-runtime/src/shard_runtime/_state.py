@@ -10,7 +10,8 @@ hooks, when the unit gathers, frees and reduces:
   unit that runs backward next;
 - all of the unit's gradients accumulated: reduce-scatter, free;
 - end of backward (a callback the root queues on the autograd engine):
-  reduce what is left, wait for every reduction, reset for the next step.
+  reduce what is left, wait for every reduction (unless told this is not
+  the last backward), reset for the next step.
 
 [Note: the root]
 The root is the sharded module whose forward runs first, found lazily then:
@@ -40,6 +41,29 @@ reduced, a deferred replica all-reduce), reshards every unit and clears the
 per-step bookkeeping, so the next step starts clean. Reductions already issued
 land in the sharded gradients, as in PyTorch (whose gradients are assigned when
 the reduction is issued); ``optimizer.zero_grad()`` clears them as usual.
+
+[Note: a backward that is not the last]
+By default the end of backward lands every reduction still in flight (waits
+for it and accumulates its result into the sharded gradients), so gradients
+are complete when ``loss.backward()`` returns. After
+``set_is_last_backward(False)`` on the root, the end of backward leaves the
+reductions in flight (at most ``set_reduce_scatter_max_input_buffers`` of
+them, the last units reduced), so they overlap the next micro-batch's forward.
+Nothing else changes: units still reduce, reshard and reset as usual, and the
+forward order is rebuilt by every root forward. A pending reduction lands,
+once, at the first of:
+
+- the next reduction issued while the root's context is full (oldest first),
+  and in any case before its own unit's next reduction, so one unit's
+  reductions (and a deferred replica partial) land in the order issued;
+- the end of a backward whose ``is_last_backward`` is ``True``;
+- anything through shard that reads or replaces gradients or shards: the
+  state dict, ``reset_iter_state``, explicit ``unshard()``/``reshard()``,
+  ``.to()``/``to_empty()`` (``_apply``), ``share_comm_ctx``, an optimizer step
+  taken inside backward (see [Note: optimizer step guard]).
+
+Gradients read directly (``param.grad``, an optimizer step after the
+backward) miss what is in flight: take them after a backward with ``True``.
 
 [Note: parameters replaced before the first forward]
 ``fully_shard`` registers each parameter's sharded DTensor on its module; a
@@ -140,6 +164,7 @@ class UnitState:
         self.all_states: list[UnitState] = []
         self.post_forward_order: list[UnitState] = []
         self._final_callback_queued = False
+        self.is_last_backward = True  # See [Note: a backward that is not the last].
         self.last_forward_order: list[UnitState] = []
         self.step = 0  # backwards completed: the step the flight recorder names
         # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
@@ -400,7 +425,7 @@ class UnitState:
                 f"{self.class_name} ({self.label!r}); call it on the module whose forward "
                 f"runs first, {self.root.class_name}"
             )
-        self.unit.comm_ctx.queue(None, 0)  # reductions issued land, as in PyTorch
+        self.land_reductions()  # reductions issued land, as in PyTorch
         for state in self.all_states or states_in(self.modules):
             unit = state.unit
             unit.reshard()  # waits for a gather in flight
@@ -501,6 +526,14 @@ class UnitState:
             unit.reshard()
         unit.training_state = TrainingState.POST_BACKWARD
 
+    def land_reductions(self) -> None:
+        """Land every reduction this tree has in flight.
+
+        See [Note: a backward that is not the last].
+        """
+        root = self.root if self.root is not None else self
+        root.unit.comm_ctx.queue(None, 0)
+
     def _queue_reduce(self, pending: PendingReduce | None, limit: int = 1) -> None:
         # At most ``limit`` reductions in flight (one unless the unit's
         # set_reduce_scatter_max_input_buffers raised it) bounds the memory their
@@ -523,7 +556,8 @@ class UnitState:
                 unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
             ):
                 unit.reshard()
-        self._queue_reduce(None)
+        if self.is_last_backward:
+            self._queue_reduce(None)  # See [Note: a backward that is not the last].
         for state in self.all_states:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
@@ -537,6 +571,7 @@ class UnitState:
     # ------------------------------------------------------------------ state dict
 
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.land_reductions()  # See [Note: a backward that is not the last].
         if self.unit.sharded_state is ShardedState.UNSHARDED:
             self.unit.reshard()
 

@@ -227,6 +227,7 @@ class Unit:
     _pending_gather: _PendingGather | None = None
     _post_forward_shard: torch.Tensor | None = None  # 1D, rows * gather_numel
     _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
+    _pending_reduce: PendingReduce | None = None  # issued, not finished yet
     _grads_ready: int = 0
     _post_event: EventLike | None = None
     _materialized: bool = False  # no shard on the meta device; checked once per init_compute
@@ -463,6 +464,9 @@ class Unit:
             self.group.has_unsharded_grads() or self.reduce_scatter_unused_params
         ):
             return None
+        if self._pending_reduce is not None:
+            # See [Note: a backward that is not the last] in _state.py.
+            self._pending_reduce.finish()
         reduce_dtype = self._reduce_dtype()
         plan = self.divide_plan(reduce_dtype)
         hook = self.comm_hook
@@ -507,6 +511,8 @@ class Unit:
         all_reduce_hook = self.all_reduce_hook
 
         def finish() -> None:
+            if self._pending_reduce is pending:
+                self._pending_reduce = None
             done.wait(streams.current())
             if self.replicate_group is not None and not hook_replicates:
                 if self._partial_reduce is not None:
@@ -522,7 +528,9 @@ class Unit:
                 output.div_(plan.after_hook)
             self.group.accumulate(output)
 
-        return PendingReduce(work, finish, keep_alive=(full,))
+        pending = PendingReduce(work, finish, keep_alive=(full,))
+        self._pending_reduce = pending
+        return pending
 
     def _run_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], output: torch.Tensor
