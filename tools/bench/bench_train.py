@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import os
@@ -121,6 +122,13 @@ from spawn import run_ranks
 IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
 FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
 FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1")
+# Where each FSDP implementation's names live (its ``wrap`` policies in ``<namespace>.wrap``).
+_FSDP_NAMESPACES = {
+    "torch_fsdp": "torch.distributed.fsdp",
+    "shard_fsdp": "shard_runtime",
+    "torch_fsdp1": "torch.distributed.fsdp",
+    "shard_fsdp1": "shard_runtime",
+}
 # (shard's implementation, PyTorch's it is measured against); ratios are taken
 # against every reference present, targets for every shard implementation.
 PAIRS = (("shard_fsdp", "torch_fsdp"), ("shard_fsdp1", "torch_fsdp1"))
@@ -368,55 +376,26 @@ def _wrap(
             model, device_ids=[device] if device.type == "cuda" else None
         )
     assert mesh is not None
-    if impl == "torch_fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-        torch_policy = TorchMixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
+    if impl not in _FSDP_NAMESPACES:
+        raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    # PyTorch's and shard's FSDP are set up by the same calls on their own names.
+    fsdp = importlib.import_module(_FSDP_NAMESPACES[impl])
+    if impl not in FLAT_IMPLS:
+        policy = fsdp.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         for block in model.iter_blocks():
-            torch_fully_shard(block, mesh=mesh, mp_policy=torch_policy)
-        torch_fully_shard(model, mesh=mesh, mp_policy=torch_policy)
+            fsdp.fully_shard(block, mesh=mesh, mp_policy=policy)
+        fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
-    if impl == "shard_fsdp":
-        from shard_runtime import MixedPrecisionPolicy as ShardMixedPrecisionPolicy
-        from shard_runtime import fully_shard as shard_fully_shard
-
-        shard_policy = ShardMixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
-        for block in model.iter_blocks():
-            shard_fully_shard(block, mesh=mesh, mp_policy=shard_policy)
-        shard_fully_shard(model, mesh=mesh, mp_policy=shard_policy)
-        return model
-    if impl == "torch_fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-        from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
-        from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
-
-        torch_mp = TorchMixedPrecision(param_dtype=low, reduce_dtype=reduce) if bf16 else None
-        return TorchFSDP(
-            model,
-            sharding_strategy=TorchShardingStrategy.FULL_SHARD,
-            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
-            mixed_precision=torch_mp,
-            use_orig_params=False,
-            device_id=device,  # on the CPU too: PyTorch's wrapper asks for an accelerator otherwise
-        )
-    if impl == "shard_fsdp1":
-        from shard_runtime import FullyShardedDataParallel as ShardFSDP
-        from shard_runtime import MixedPrecision as ShardMixedPrecision
-        from shard_runtime import ModuleWrapPolicy as ShardModuleWrapPolicy
-        from shard_runtime import ShardingStrategy as ShardShardingStrategy
-
-        shard_mp = ShardMixedPrecision(param_dtype=low, reduce_dtype=reduce) if bf16 else None
-        return ShardFSDP(
-            model,
-            sharding_strategy=ShardShardingStrategy.FULL_SHARD,
-            auto_wrap_policy=ShardModuleWrapPolicy({Block}),
-            mixed_precision=shard_mp,
-            use_orig_params=False,
-            device_id=device,
-        )
-    raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
+    wrap = importlib.import_module(f"{fsdp.__name__}.wrap")
+    wrapped: nn.Module = fsdp.FullyShardedDataParallel(
+        model,
+        sharding_strategy=fsdp.ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=wrap.ModuleWrapPolicy({Block}),
+        mixed_precision=fsdp.MixedPrecision(param_dtype=low, reduce_dtype=reduce) if bf16 else None,
+        use_orig_params=False,
+        device_id=device,  # on the CPU too: PyTorch's wrapper asks for an accelerator otherwise
+    )
+    return wrapped
 
 
 class _Profiler:
