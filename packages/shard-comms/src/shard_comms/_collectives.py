@@ -47,8 +47,8 @@ copy per unit per step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -238,18 +238,31 @@ def _stage(
     return flat, base
 
 
-def _record(
+@contextmanager
+def _issuing(
     kind: CollectiveKind,
     flat: torch.Tensor,
     size: int,
     group: ProcessGroup | None,
     label: str | None,
     phase: str | None,
-) -> FlightEntry | None:
-    """Count one collective over ``flat`` and open its flight-recorder entry."""
-    nbytes = flat.numel() * flat.element_size()
-    record_collective(kind, nbytes, label, size)
-    return flight_recorder().issue(kind, label, phase, group, flat.numel(), nbytes, flat.dtype)
+) -> Iterator[FlightEntry | None]:
+    """Around the backend call of one collective over ``flat``.
+
+    Opens its profiler range, counts it, yields its flight-recorder entry,
+    and turns a ``RuntimeError`` of the call into the named
+    :class:`~shard_core.errors.CollectiveError` (see ``_diagnose.py``).
+    """
+    with _profiler_range(kind, label):
+        nbytes = flat.numel() * flat.element_size()
+        record_collective(kind, nbytes, label, size)
+        entry = flight_recorder().issue(kind, label, phase, group, flat.numel(), nbytes, flat.dtype)
+        try:
+            yield entry
+        except RuntimeError as exc:
+            if isinstance(exc, CollectiveError):
+                raise
+            raise collective_failure(entry, exc) from exc
 
 
 def _gather(
@@ -294,13 +307,6 @@ def _issued(
     return _DONE
 
 
-def _backend_failed(entry: FlightEntry | None, exc: RuntimeError) -> CollectiveError:
-    """The named failure of a collective whose call raised (see ``_diagnose.py``)."""
-    if isinstance(exc, CollectiveError):
-        return exc
-    return collective_failure(entry, exc)
-
-
 # ---------------------------------------------------------------------------
 # All-gather
 # ---------------------------------------------------------------------------
@@ -338,12 +344,8 @@ def all_gather(
             flat_out.view(shard.shape).copy_(shard)
         return _DONE
     source, staged = _stage(shard, output.dtype, output.device)
-    with _profiler_range("all_gather", label):
-        entry = _record("all_gather", flat_out, size, group, label, phase)
-        try:
-            work = _gather(flat_out, source, size, group, async_op)
-        except RuntimeError as exc:
-            raise _backend_failed(entry, exc) from exc
+    with _issuing("all_gather", flat_out, size, group, label, phase) as entry:
+        work = _gather(flat_out, source, size, group, async_op)
     if staged is None:
         return _issued(entry, work, None, async_op)
 
@@ -412,19 +414,15 @@ def _issue_reduce_scatter(
     [Note: Reduce-scatter on gloo].
     """
     n = source.numel() // size
-    with _profiler_range("reduce_scatter", label):
-        entry = _record("reduce_scatter", source, size, group, label, phase)
-        try:
-            if use_all_reduce:
-                work = dist.all_reduce(source, group=group, async_op=async_op)
-                return work, source[rank * n : (rank + 1) * n], None, entry
-            out_base = None
-            if into is None:
-                out_base = buffer_cache().acquire(n, source.dtype, source.device)
-                into = out_base[:n]
-            work = dist.reduce_scatter_single(into, source, group=group, async_op=async_op)
-        except RuntimeError as exc:
-            raise _backend_failed(entry, exc) from exc
+    with _issuing("reduce_scatter", source, size, group, label, phase) as entry:
+        if use_all_reduce:
+            work = dist.all_reduce(source, group=group, async_op=async_op)
+            return work, source[rank * n : (rank + 1) * n], None, entry
+        out_base = None
+        if into is None:
+            out_base = buffer_cache().acquire(n, source.dtype, source.device)
+            into = out_base[:n]
+        work = dist.reduce_scatter_single(into, source, group=group, async_op=async_op)
         return work, into, out_base, entry
 
 
@@ -534,12 +532,8 @@ def all_reduce(
     work: dist.Work | None = None
     entry: FlightEntry | None = None
     if size > 1:
-        with _profiler_range("all_reduce", label):
-            entry = _record("all_reduce", work_tensor, size, group, label, phase)
-            try:
-                work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
-            except RuntimeError as exc:
-                raise _backend_failed(entry, exc) from exc
+        with _issuing("all_reduce", work_tensor, size, group, label, phase) as entry:
+            work = dist.all_reduce(work_tensor, group=group, async_op=async_op)
 
     def finish() -> None:
         if post != 1.0:
@@ -567,10 +561,6 @@ def broadcast(
     if size == 1:
         return _DONE
     _check_contiguous(tensor, "broadcast", "tensor")
-    with _profiler_range("broadcast", label):
-        entry = _record("broadcast", tensor, size, group, label, phase)
-        try:
-            work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
-        except RuntimeError as exc:
-            raise _backend_failed(entry, exc) from exc
+    with _issuing("broadcast", tensor, size, group, label, phase) as entry:
+        work = dist.broadcast(tensor, group=group, group_src=src, async_op=async_op)
     return _issued(entry, work, None, async_op)
