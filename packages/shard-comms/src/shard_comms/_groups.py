@@ -39,10 +39,12 @@ __all__ = [
     "default_mesh",
     "group_mesh",
     "hybrid_mesh",
+    "joined_mesh",
     "mesh_groups",
     "node_mesh",
     "post_forward_group",
     "replicated_mesh",
+    "separate_reduce_scatter_group",
 ]
 
 _T = TypeVar("_T")
@@ -125,6 +127,34 @@ def replicated_mesh(group: ProcessGroup, *, device_type: str | None = None) -> D
         return build_mesh(groups=(mine, group), device_type=device_type)
 
     return _cached("replicated", (group, device_type), make)
+
+
+def joined_mesh(outer: DeviceMesh, inner: DeviceMesh) -> DeviceMesh:
+    """The mesh of ``outer``'s axes followed by ``inner``'s; both cut from one parent mesh.
+
+    A tensor-parallel parameter under ``fully_shard`` lives on the data-parallel
+    axes joined with its tensor-parallel axes.
+    """
+    return _cached("joined", (outer, inner), lambda: DeviceMesh._concatenate([outer, inner]))
+
+
+def separate_reduce_scatter_group(shard_group: ProcessGroup) -> ProcessGroup:
+    """A second group over ``shard_group``'s ranks, for reduce-scatters only.
+
+    One per set of ranks per world, created the first time it is asked for;
+    only the member ranks take part (``use_local_synchronization``), so on a
+    2-D mesh each replica's shard ranks create their own.
+    """
+    ranks = tuple(dist.get_process_group_ranks(shard_group))
+
+    def make() -> ProcessGroup:
+        group: ProcessGroup | None = dist.new_group(
+            list(ranks), use_local_synchronization=True, group_desc="shard_reduce_scatter"
+        )
+        assert group is not None  # every caller is a member
+        return group
+
+    return _cached("separate_reduce_scatter", (ranks,), make)
 
 
 def mesh_groups(mesh: DeviceMesh) -> tuple[ProcessGroup, ProcessGroup | None]:

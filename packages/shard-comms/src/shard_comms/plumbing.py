@@ -32,9 +32,11 @@ from shard_comms._groups import (
     default_mesh,
     group_mesh,
     hybrid_mesh,
+    joined_mesh,
     node_mesh,
     post_forward_group,
     replicated_mesh,
+    separate_reduce_scatter_group,
 )
 from shard_comms._process_group import (
     SHARD_DEVICE_ENV,
@@ -67,6 +69,7 @@ __all__ = [
     "group_allocates",
     "group_mesh",
     "hybrid_mesh",
+    "joined_mesh",
     "node_mesh",
     "parse_launch_env",
     "plan_init",
@@ -75,5 +78,6 @@ __all__ = [
     "reset_flight_recorder",
     "resolve_device_handle",
     "resolve_divide_factors",
+    "separate_reduce_scatter_group",
     "set_flight_step",
 ]

@@ -10,7 +10,6 @@ wrap planning) is in :mod:`shard_runtime.plumbing`, not here.
 """
 
 from shard_core import CustomPolicy, ModuleWrapPolicy
-from shard_runtime._comm import share_comm_ctx
 from shard_runtime._flat_placement import FlatShard, flat_shard_placement
 from shard_runtime._fully_shard import (
     FSDPModule,
@@ -24,6 +23,7 @@ from shard_runtime._options import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from shard_runtime._share_comm_ctx import share_comm_ctx
 from shard_runtime._state_dict_type import (
     FullOptimStateDictConfig,
     FullStateDictConfig,

@@ -30,23 +30,17 @@ type per process, which every unit uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from shard_comms import get_device_handle
 from shard_core.protocols import DeviceHandle, StreamLike
-
-if TYPE_CHECKING:
-    from shard_runtime._fully_shard import FSDPModule
 
 __all__ = [
     "CommContext",
     "CommStreams",
     "InFlight",
-    "separate_reduce_scatter_group",
-    "share_comm_ctx",
     "streams_for",
 ]
 
@@ -109,61 +103,3 @@ class CommContext:
             self.in_flight.pop(0).finish()
         if pending is not None:
             self.in_flight.append(pending)
-
-
-# Keyed by the ranks and the default group, so a re-initialised process group starts afresh.
-_SEPARATE_GROUPS: dict[tuple[tuple[int, ...], int], dist.ProcessGroup] = {}
-
-
-def separate_reduce_scatter_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A second process group over ``shard_group``'s ranks, for reduce-scatters only.
-
-    One per set of ranks per process, created the first time it is asked
-    for; only the member ranks take part (``use_local_synchronization``), so
-    on a 2-D mesh each replica's shard ranks create their own.
-    """
-    ranks = tuple(dist.get_process_group_ranks(shard_group))
-    key = (ranks, id(dist.group.WORLD))
-    group = _SEPARATE_GROUPS.get(key)
-    if group is None:
-        group = dist.new_group(
-            list(ranks), use_local_synchronization=True, group_desc="shard_reduce_scatter"
-        )
-        assert group is not None  # every caller is a member
-        _SEPARATE_GROUPS[key] = group
-    return group
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Give the roots ``modules`` (``fully_shard``-ed, e.g. pipeline stages) one comm context.
-
-    Their reductions in flight then share one bound (see [Note: Sharing the
-    communication context]); the communication streams are already one pair
-    per device type per process. An empty list does nothing.
-
-    Raises:
-        ValueError: an element is not a module ``fully_shard`` was applied to.
-    """
-    # Imported here: the front end and the states import this module.
-    from shard_runtime._fully_shard import FSDPModule
-    from shard_runtime._state import UnitState, get_state, states_in
-
-    states: list[UnitState] = []
-    for module in modules:
-        state = get_state(module) if isinstance(module, torch.nn.Module) else None
-        if not isinstance(module, FSDPModule) or state is None:
-            raise ValueError(
-                f"share_comm_ctx: expects a list of FSDPModules (modules fully_shard was "
-                f"applied to) but got {type(module).__name__}; call fully_shard on it first"
-            )
-        states.append(state)
-    if not states:
-        return
-    shared = states[0].unit.comm_ctx
-    for state in states_in([module for root in states for module in root.modules]):
-        pending = state.unit.comm_ctx
-        if pending is not shared:
-            for reduction in pending.in_flight:
-                reduction.finish()
-            pending.in_flight.clear()
-            state.unit.comm_ctx = shared

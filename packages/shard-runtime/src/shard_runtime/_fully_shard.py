@@ -21,10 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from shard_comms import CustomAllGather, CustomReduceScatter, get_device_handle
-from shard_comms.plumbing import default_mesh, post_forward_group
+from shard_comms.plumbing import default_mesh, post_forward_group, separate_reduce_scatter_group
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
-from shard_runtime._comm import separate_reduce_scatter_group
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
 from shard_runtime._options import (
@@ -135,9 +134,10 @@ class FSDPModule:
         the last reductions in flight, so they overlap the next micro-batch's
         forward; they land before their unit's next reduction, at the end of
         the next last backward, or before a state dict, ``reset_iter_state``,
-        ``unshard``/``reshard`` or ``.to()``, never lost or counted twice
-        (see [Note: a backward that is not the last] in ``_state.py``). Read
-        gradients or step the optimizer only after a backward with ``True``.
+        ``unshard``/``reshard``, ``.to()`` or an optimizer step, never lost or
+        counted twice (see [Note: a backward that is not the last] in
+        ``_state.py``). ``param.grad`` read directly misses what is in flight:
+        read gradients after a backward with ``True``.
         """
         state = self._shard()
         (state.root if state.root is not None else state).is_last_backward = is_last_backward

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from shard_comms.plumbing import joined_mesh
 from shard_core import dim0_chunk_range, padded_dim0_size
 from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import is_flat_layout
@@ -63,7 +64,6 @@ __all__ = [
     "ParamOwner",
     "ShardedParam",
     "resolve_shard_dim",
-    "tp_data_parallel_mesh",
 ]
 
 
@@ -441,18 +441,6 @@ def resolve_shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
     return dim
 
 
-_TP_MESHES: dict[tuple[DeviceMesh, DeviceMesh], DeviceMesh] = {}
-
-
-def tp_data_parallel_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh of ``dp_mesh``'s axes followed by ``tp_mesh``'s (both cut from one mesh)."""
-    key = (dp_mesh, tp_mesh)
-    mesh = _TP_MESHES.get(key)
-    if mesh is None:
-        mesh = _TP_MESHES[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-    return mesh
-
-
 def _layout(
     fqn: str,
     param: nn.Parameter,
@@ -474,7 +462,7 @@ def _layout(
             "fully_shard"
         )
     try:
-        sharded_mesh = tp_data_parallel_mesh(mesh, spec.mesh)
+        sharded_mesh = joined_mesh(mesh, spec.mesh)
     except RuntimeError as exc:
         raise RuntimeError(
             f"fully_shard: parameter {fqn!r} is a DTensor on {spec.mesh}, which cannot be "
