@@ -9,6 +9,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shard_comms import count_collectives
 from shard_runtime import FSDPModule, fully_shard
+from shard_runtime._per_param_layout import PerParamLayout
+from shard_runtime._state import states_in
 from shard_testing import RankPool
 
 
@@ -32,6 +34,11 @@ def _deferred_all_reduce(defer: bool) -> dict[str, torch.Tensor]:
             model(data[2 * rank + micro]).sum().backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     grads["all_reduces"] = torch.tensor(counts.calls("all_reduce"))
+    layouts = [s.unit.group for s in states_in([model])]
+    # Per-reduction bookkeeping left once every reduction has landed (none may stay behind).
+    grads["left_over"] = torch.tensor(
+        sum(len(g._with_grad) for g in layouts if isinstance(g, PerParamLayout))
+    )
     return grads
 
 
@@ -41,5 +48,6 @@ def test_deferred_replica_all_reduce(rank_pool: RankPool) -> None:
     for deferred in rank_pool.run(_deferred_all_reduce, 4, True):
         assert int(eager["all_reduces"]) == 4
         assert int(deferred["all_reduces"]) == 2
+        assert int(deferred["left_over"]) == 0
         for key in ("0.weight", "2.weight", "4.bias"):
             torch.testing.assert_close(deferred[key], eager[key])

@@ -212,35 +212,56 @@ def _then(action: str) -> dict[str, Any]:
     elif action == "next_backward":
         root.set_is_last_backward(True)
         model(x[1]).square().sum().backward()
+    elif action == "optimizer_step":
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
     else:
         raise AssertionError(f"unknown action {action!r}")
     return {
         "pending": _pending(model),
         "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+        "params": {n: _local(p) for n, p in model.named_parameters()},
     }
 
 
-def _reference(micro_batches: int) -> dict[str, torch.Tensor]:
+def _reference(micro_batches: int, step: bool) -> dict[str, dict[str, torch.Tensor]]:
     model = _sharded("shard")
     for x in _data()[:micro_batches]:
         model(x).square().sum().backward()
-    return {n: _local(p.grad) for n, p in model.named_parameters()}
+    if step:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return {
+        "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+        "params": {n: _local(p) for n, p in model.named_parameters()},
+    }
 
 
 def _then_and_reference(action: str) -> dict[str, Any]:
     result = _then(action)
-    result["reference"] = _reference(2 if action == "next_backward" else 1)
+    result["reference"] = _reference(
+        2 if action == "next_backward" else 1, step=action == "optimizer_step"
+    )
     return result
 
 
 @pytest.mark.parametrize(
-    "action", ["state_dict", "reset_iter_state", "reshard", "unshard", "to", "next_backward"]
+    "action",
+    [
+        "state_dict",
+        "reset_iter_state",
+        "reshard",
+        "unshard",
+        "to",
+        "next_backward",
+        "optimizer_step",
+    ],
 )
 def test_pending_reductions_land_before_shard_touches_gradients(
     rank_pool: RankPool, action: str
 ) -> None:
-    """After a backward with False, a state dict, reset_iter_state, unshard/reshard, .to() or
-    the next (last) backward lands the pending reduction: no gradient is lost or doubled."""
+    """After a backward with False, a state dict, reset_iter_state, unshard/reshard, .to(),
+    the next (last) backward or an optimizer step lands the pending reduction: no gradient
+    is lost or doubled, and the step sees the complete gradients."""
     for result in rank_pool.run(_then_and_reference, 2, action):
         assert result["pending"] == []
-        _assert_bitwise(result["grads"], result["reference"])
+        _assert_bitwise(result["grads"], result["reference"]["grads"])
+        _assert_bitwise(result["params"], result["reference"]["params"])

@@ -14,7 +14,6 @@ the trainable parameters; the shards are already padded in place
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -34,7 +33,8 @@ class PerParamLayout:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._gather_dtype: torch.dtype | None = None
         # - per reduction issued and not yet accumulated: which trainable params had a grad
-        self._with_grad: deque[list[bool]] = deque()
+        #   (accumulate folds them all: a unit's reductions land in the order issued)
+        self._with_grad: list[list[bool]] = []
         self.zero_unused_grads = False  # reduce_scatter_unused_params: they get zeros
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         # - sizes, fixed for the group's life (a re-adopted shard keeps its padded shape)
@@ -180,7 +180,15 @@ class PerParamLayout:
 
     def accumulate(self, output: torch.Tensor) -> None:
         offset = 0
-        with_grad = self._with_grad.popleft() if self._with_grad else [True] * len(self.trainable)
+        # Every reduction issued and not accumulated yet is in ``output`` (a deferred replica
+        # all-reduce adds the earlier ones' results): a parameter had a gradient if it had
+        # one in any of them.
+        with_grad = (
+            [any(flags) for flags in zip(*self._with_grad, strict=True)]
+            if self._with_grad
+            else [True] * len(self.trainable)
+        )
+        self._with_grad.clear()
         for p, has_grad in zip(self.trainable, with_grad, strict=True):
             # The real rows lead the padded block (padding exists only on dim 0).
             local_shape = p.local_shape

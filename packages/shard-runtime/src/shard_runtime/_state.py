@@ -59,11 +59,11 @@ once, at the first of:
 - the end of a backward whose ``is_last_backward`` is ``True``;
 - anything through shard that reads or replaces gradients or shards: the
   state dict, ``reset_iter_state``, explicit ``unshard()``/``reshard()``,
-  ``.to()``/``to_empty()`` (``_apply``), ``share_comm_ctx``, an optimizer step
-  taken inside backward (see [Note: optimizer step guard]).
+  ``.to()``/``to_empty()`` (``_apply``), ``share_comm_ctx``, and any
+  optimizer step, in backward or after it (see [Note: optimizer step guard]).
 
-Gradients read directly (``param.grad``, an optimizer step after the
-backward) miss what is in flight: take them after a backward with ``True``.
+Gradients read directly (``param.grad``) miss what is in flight: read them
+after a backward with ``True``.
 
 [Note: parameters replaced before the first forward]
 ``fully_shard`` registers each parameter's sharded DTensor on its module; a

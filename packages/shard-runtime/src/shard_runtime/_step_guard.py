@@ -19,6 +19,12 @@ gradients are not reduced yet. Stepping inside backward on units that are
 already reduced (optimizer-in-backward done per unit) is allowed: the hook
 first lands the reductions still in flight, so the step sees complete
 gradients.
+
+Outside backward the hook does one thing more: a root whose last backward
+ran with ``set_is_last_backward(False)`` may still have reductions in flight
+(see [Note: a backward that is not the last] in ``_state.py``). PyTorch leaves
+such a step to the user's care; shard lands them first, so a step taken
+there sees complete gradients instead of missing ones.
 """
 
 from __future__ import annotations
@@ -51,8 +57,14 @@ def watch_root(root: UnitState) -> None:
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # A compiled optimizer step traces this hook: it folds to nothing there (a
-    # compiled step inside backward is not guarded). Eager: one C call outside backward.
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+    # compiled step inside backward is not guarded). Eager, outside backward: one C call
+    # and a look at each root's reductions in flight.
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._current_graph_task_id() == -1:
+        for root in list(_ROOTS):
+            if root.unit.comm_ctx.in_flight:
+                root.land_reductions()
         return
     for root in list(_ROOTS):
         if root._final_callback_queued:
