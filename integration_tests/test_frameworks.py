@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from shard_runtime import FSDPModule
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "frameworks"
 STEPS = 6
@@ -34,7 +36,7 @@ UNITS = 4
 # The class fully_shard gives the root module: which implementation sharded it.
 MODEL_CLASS = {
     "torch": "torch.distributed.fsdp._fully_shard._fsdp_init.FSDP",
-    "shard": "shard_runtime._fully_shard.FSDP",
+    "shard": f"{FSDPModule.__module__}.FSDP",
 }
 
 
@@ -83,7 +85,7 @@ def test_fabric_model_parallel(tmp_path: Path) -> None:
     results = _launch("fabric_model_parallel.py", tmp_path)
     torch_run, shard_run = results["torch"], results["shard"]
     assert torch_run["fsdp_module"] == "torch.distributed.fsdp.FSDPModule"
-    assert shard_run["fsdp_module"] == "shard_runtime._fully_shard.FSDPModule"
+    assert shard_run["fsdp_module"] == f"{FSDPModule.__module__}.{FSDPModule.__qualname__}"
 
     assert [s["step"] for s in shard_run["steps"]] == list(range(STEPS))
     assert [s["losses"] for s in shard_run["steps"]] == [s["losses"] for s in torch_run["steps"]]
