@@ -58,10 +58,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard_cli._activations import lm_activation_profile
-from shard_cli._measure import StepTrace, held_bytes, profile_step
+from shard_cli._measure import StepTrace, profile_step
 from shard_cli._plan import PlanConfig, estimate_memory, plan_model_units, unsharded_memory
 from shard_cli.gpt import GPT, Block, GPTConfig
 from shard_comms import _collectives, count_collectives
+from shard_core import held_bytes
 from shard_runtime import ModuleWrapPolicy
 from shard_testing.simulate import Frontend, shard_blocks, simulate
 

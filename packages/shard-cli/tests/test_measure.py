@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shard_cli._measure import held_bytes, profile_step, state_bytes
+from shard_cli._measure import profile_step
 from shard_comms import buffer_cache_info
+from shard_core import held_bytes, state_bytes
 
 
 def test_held_bytes_counts_each_storage_once() -> None:

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from shard_cli import PlanConfig, estimate_memory, plan_model_units, unsharded_memory
-from shard_cli._measure import state_bytes
 from shard_cli._strategy import shard_layout, shard_model
 from shard_cli.gpt import GPT, GPTConfig
+from shard_core import state_bytes
 from shard_runtime import ModuleWrapPolicy
 from shard_testing import RankPool
 
@@ -204,7 +204,8 @@ def test_layout_comparison_shows_dim0_flat_and_wrapper_against_ideal() -> None:
 
 def _measured_peak(world: int, frontend: str, config: GPTConfig, batch: int) -> int:
     """The smallest step peak of steps 2-3 of ``config`` as rank 0 of ``world`` simulated ranks."""
-    from shard_cli._measure import StepTrace, held_bytes, profile_step
+    from shard_cli._measure import StepTrace, profile_step
+    from shard_core import held_bytes
     from shard_testing.simulate import shard_blocks, simulate
 
     traces: list[StepTrace] = []

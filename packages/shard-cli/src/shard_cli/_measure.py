@@ -2,7 +2,8 @@
 
 [Note: what a rank holds]
 Parameters, gradients and optimizer state are counted as the bytes of the
-*storages* behind them, each storage once: a ``fully_shard`` parameter's
+*storages* behind them, each storage once (``shard_core.state_bytes``, which
+``shard_testing.simulate`` counts with too): a ``fully_shard`` parameter's
 local tensor is a view of its padded shard, so the padding counts (it is
 allocated); the gradients of one unit are views of one reduce-scatter
 output, counted once; AdamW's ``exp_avg``/``exp_avg_sq`` are fresh tensors
@@ -29,74 +30,18 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.profiler import ProfilerActivity, profile
 
 from shard_comms import buffer_cache_info
 
-__all__ = [
-    "StateBytes",
-    "StepTrace",
-    "held_bytes",
-    "profile_step",
-    "state_bytes",
-]
+__all__ = ["StepTrace", "profile_step"]
 
 _COMM_PREFIXES = ("gloo:", "nccl:")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    assert isinstance(local, torch.Tensor)
-    return local
-
-
-def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local tensors)."""
-    seen: dict[tuple[str, int], int] = {}
-    for tensor in tensors:
-        local = _local(tensor)
-        if local.device.type == "meta":
-            continue
-        storage = local.untyped_storage()
-        if storage.nbytes() == 0:
-            continue
-        seen[(str(local.device), storage.data_ptr())] = storage.nbytes()
-    return sum(seen.values())
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """What one rank holds for training, in bytes; see [Note: what a rank holds].
-
-    Attributes:
-        params: The sharded parameters (what the optimizer updates).
-        grads: Their gradients.
-        optim: The optimizer's state.
-    """
-
-    params: int
-    grads: int
-    optim: int
-
-
-def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> StateBytes:
-    """What ``model``'s parameters, their ``.grad`` and ``optim``'s state hold on this rank."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = [
-        value
-        for state in optim.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return StateBytes(params=held_bytes(params), grads=held_bytes(grads), optim=held_bytes(states))
 
 
 @dataclass

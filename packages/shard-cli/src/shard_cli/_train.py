@@ -80,7 +80,7 @@ from torch.distributed.tensor import DTensor
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import find_blocks, wrap_blocks
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
-from shard_cli._measure import StateBytes, StepTrace, held_bytes, profile_step, state_bytes
+from shard_cli._measure import StepTrace, profile_step
 from shard_cli._model_source import (
     ModelSource,
     build_for_training,
@@ -106,6 +106,7 @@ from shard_cli._tensorboard import MetricsWriter
 from shard_cli._train_checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli.gpt import GPT, GPTConfig
 from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
+from shard_core import StateBytes, held_bytes, state_bytes
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 

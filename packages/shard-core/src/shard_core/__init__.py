@@ -1,7 +1,8 @@
-"""Flat layout, shard metadata, sharding math and the plugin registry of shard."""
+"""Flat layout, shard metadata, sharding math, what a rank holds, and the plugin registry."""
 
 from shard_core._cpu import CpuDeviceHandle
 from shard_core._dim0 import contiguous_stride, dim0_chunk_range, padded_dim0_size
+from shard_core._held import StateBytes, held_bytes, state_bytes
 from shard_core._layout import FlatLayout, ParamShardInfo, ParamSpec, ShardMetadata
 from shard_core._policies import (
     CustomPolicy,
@@ -34,6 +35,7 @@ __all__ = [
     "PluginWarning",
     "Registry",
     "ShardMetadata",
+    "StateBytes",
     "WrapPlanError",
     "WrapTarget",
     "__version__",
@@ -42,9 +44,11 @@ __all__ = [
     "dim0_chunk_range",
     "get_plugin_manager",
     "get_registry",
+    "held_bytes",
     "hookimpl",
     "make_plugin_manager",
     "padded_dim0_size",
     "plan_wraps",
     "reset_plugin_manager",
+    "state_bytes",
 ]

@@ -58,8 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from shard_core import StateBytes, state_bytes
+from shard_core import held_bytes as _held_bytes
 
 __all__ = [
     "CollectiveTally",
@@ -163,56 +165,18 @@ class CollectiveTally(TorchDispatchMode):  # type: ignore[no-untyped-call]  # to
         return func(*args, **(kwargs or {}))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    assert isinstance(local, torch.Tensor)
-    return local
-
-
 def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local tensors).
+    """Bytes of the distinct storages behind ``tensors``, meta tensors included.
 
-    Storages are told apart by identity, not address, so meta and fake
-    tensors (address 0) count too; a storage shared by views counts once.
+    ``shard_core.held_bytes`` with ``meta=True``: storages are told apart by
+    identity, so meta and fake tensors (address 0) count too.
     """
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """What rank 0 holds for training, in bytes.
-
-    Attributes:
-        params: The sharded parameters (the storages behind them, padding included).
-        grads: Their gradients.
-        optim: The optimizer's state tensors.
-    """
-
-    params: int
-    grads: int
-    optim: int
-
-    @property
-    def total(self) -> int:
-        """Parameters + gradients + optimizer state."""
-        return self.params + self.grads + self.optim
+    return _held_bytes(tensors, meta=True)
 
 
 def held_state(model: nn.Module, optim: torch.optim.Optimizer) -> StateBytes:
     """What ``model``'s parameters, their gradients and ``optim``'s state hold on this rank."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    states = [
-        value
-        for state in optim.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
-    return StateBytes(params=held_bytes(params), grads=held_bytes(grads), optim=held_bytes(states))
+    return state_bytes(model, optim, meta=True)
 
 
 @dataclass(frozen=True)
