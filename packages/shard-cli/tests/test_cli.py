@@ -41,6 +41,30 @@ def test_plan_json_for_the_tiny_preset(capsys: pytest.CaptureFixture[str]) -> No
     assert report["note"] == ""
 
 
+def test_plan_activation_checkpointing_keeps_only_block_inputs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--activation-checkpointing lowers the activations and the peak of every column and
+    says so (the arithmetic itself: test_plan.py and test_train_flags.py)."""
+    args = ["plan", "--preset", "tiny", "--world-size", "2", "--batch", "4", "--seq", "32"]
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--json", "--activation-checkpointing"]) == 0
+    checkpointed = json.loads(capsys.readouterr().out)
+    assert (plain["activation_checkpointing"], checkpointed["activation_checkpointing"]) == (
+        False,
+        True,
+    )
+    for strategy in ("full", "no-shard"):
+        before, after = plain["strategies"][strategy], checkpointed["strategies"][strategy]
+        assert after["activations"] < before["activations"]
+        assert after["peak"] < before["peak"]
+    assert main([*args, "--activation-checkpointing"]) == 0
+    assert "per-rank memory (rank 0; batch 4 x seq 32, blocks checkpointed):" in (
+        capsys.readouterr().out
+    )
+
+
 def test_plan_prints_a_tree_and_a_table(capsys: pytest.CaptureFixture[str]) -> None:
     """The text form: the root, its blocks folded into one line, one row per memory kind."""
     assert main(["plan", "--preset", "gpt2", "--world-size", "64", "--strategy", "full"]) == 0

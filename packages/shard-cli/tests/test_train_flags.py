@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -214,3 +215,28 @@ def test_compile_without_a_cpu_compiler_is_refused_before_launching(
         "(apt-get install g++) or set CXX to it, or drop --compile\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_line_counts_checkpointed_blocks_by_their_inputs() -> None:
+    """shard train's memory prediction under --activation-checkpointing keeps each block's
+    input instead of its saved activations (the root's stay), and so predicts less."""
+    from shard_cli._activations import lm_activation_profile
+    from shard_cli._model_source import load_model_source
+    from shard_cli._train import predict
+
+    overrides: dict[str, int | None] = {"n_layers": 2, "d_model": 32, "n_heads": 2}
+    source = load_model_source(preset="small", overrides=overrides)
+    given: dict[str, Any] = {"batch": 2, "seq": 16, **overrides}
+    plain, _ = predict(source, resolve_options(given), world=2)
+    checkpointed, alone = predict(
+        source, resolve_options({**given, "activation_checkpointing": True}), world=2
+    )
+    assert source.vocab_size is not None
+    profile = lm_activation_profile(
+        source.build, ["", "blocks.0", "blocks.1"], batch=2, seq=16, vocab_size=source.vocab_size
+    )
+    blocks = ["blocks.0", "blocks.1"]
+    assert plain.activations == profile.total
+    assert checkpointed.activations == profile.kept(blocks) == alone.activations
+    assert checkpointed.activations == profile.saved[""] + 2 * (2 * 16 * 32 * 4)
+    assert checkpointed.peak < plain.peak

@@ -8,12 +8,14 @@ saves passes through a ``saved_tensors_hooks`` pack hook, which records its
 storage once and charges it to the innermost unit whose forward is running;
 the model's own parameters are left out (``shard plan`` counts unsharded
 parameters separately). The order in which units' forwards start is
-recorded too: it is the order the runtime gathers them in.
+recorded too: it is the order the runtime gathers them in, and so are the
+tensors each unit's forward is called with (its inputs): under activation
+checkpointing they are all a unit keeps from forward to backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["ActivationProfile", "lm_activation_profile"]
 
@@ -34,16 +37,29 @@ class ActivationProfile:
         saved: Bytes saved for backward while each unit's own forward ran
             (inside a child unit they are the child's).
         largest: The largest single saved tensor of each unit, in bytes.
+        inputs: Bytes of the tensors each unit's forward was called with (a
+            storage already an earlier unit's input is not counted again).
     """
 
     order: tuple[str, ...]
     saved: dict[str, int]
     largest: dict[str, int]
+    inputs: dict[str, int]
 
     @property
     def total(self) -> int:
         """Bytes saved by the whole forward."""
         return sum(self.saved.values())
+
+    def kept(self, checkpointed: Collection[str] = ()) -> int:
+        """Bytes the forward leaves for backward when the ``checkpointed`` units recompute.
+
+        A checkpointed unit keeps only its inputs; the rest keep what they save.
+        """
+        return sum(
+            self.inputs.get(name, 0) if name in checkpointed else nbytes
+            for name, nbytes in self.saved.items()
+        )
 
 
 def lm_activation_profile(
@@ -70,12 +86,19 @@ def lm_activation_profile(
     order: list[str] = [""]
     saved: dict[str, dict[int, int]] = {name: {} for name in unit_names}
     saved.setdefault("", {})
+    inputs: dict[str, dict[int, int]] = {name: {} for name in saved}
 
     def enter(name: str) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+        def hook(_: nn.Module, args: Any, kwargs: Any) -> None:
             stack.append(name)
             if name not in order:
                 order.append(name)
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    storage = leaf.untyped_storage()
+                    key = storage._cdata
+                    if all(key not in charged for charged in inputs.values()):
+                        inputs[name][key] = storage.nbytes()
 
         return hook
 
@@ -84,7 +107,7 @@ def lm_activation_profile(
 
     for name, module in model.named_modules():
         if name in saved and name:
-            module.register_forward_pre_hook(enter(name))
+            module.register_forward_pre_hook(enter(name), with_kwargs=True)
             module.register_forward_hook(leave)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,4 +132,8 @@ def lm_activation_profile(
         order=tuple(order),
         saved={name: sum(sizes) for name, sizes in kept.items()},
         largest={name: max(sizes, default=0) for name, sizes in kept.items()},
+        inputs={
+            name: sum(n for key, n in charged.items() if key not in params)
+            for name, charged in inputs.items()
+        },
     )

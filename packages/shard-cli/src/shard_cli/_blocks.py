@@ -32,11 +32,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shard_cli._model_source import ModelSource
+from shard_cli._strategy import resolve_policy
 from shard_cli.gpt import GPT
 from shard_core.errors import ShardError
 from shard_runtime.plumbing import plan_units, resolve_wrap_policy
 
-__all__ = ["check_compiler", "find_blocks", "wrap_blocks"]
+__all__ = ["check_compiler", "checkpointed_blocks", "find_blocks", "wrap_blocks"]
 
 
 def check_compiler() -> None:
@@ -82,6 +84,21 @@ def find_blocks(model: nn.Module, policy: Any, *, what: str, flags: str) -> list
             "to; drop the flag, or build the model from repeated layers"
         )
     return blocks
+
+
+def checkpointed_blocks(model: nn.Module, source: ModelSource) -> list[str]:
+    """The qualified names of the blocks ``--activation-checkpointing`` wraps in ``model``.
+
+    What ``shard plan`` and ``shard train``'s prediction treat as recomputed units.
+    """
+    blocks = find_blocks(
+        model,
+        resolve_policy(source.default_policy),
+        what=source.description,
+        flags="--activation-checkpointing",
+    )
+    name_of = {id(module): name for name, module in model.named_modules()}
+    return [name_of[id(block)] for block in blocks]
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:

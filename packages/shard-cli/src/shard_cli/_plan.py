@@ -25,7 +25,10 @@ Per rank, in bytes, counted like ``shard train`` measures them (see
 - activations: the tensors autograd saves in forward for backward, per
   unit, counted by running the model's forward on fake tensors (no memory)
   for the given batch and sequence length (``_activations.py``); without an
-  example input (a ``module:factory`` model) they are left out.
+  example input (a ``module:factory`` model) they are left out. A unit
+  under activation checkpointing (``checkpointed``) keeps only the tensors
+  its forward was called with, and holds its saved activations again only
+  while its backward recomputes and consumes them.
 - peak and units in flight: from a simulated step, below.
 
 [Note: a simulated step]
@@ -37,17 +40,24 @@ frees (``shard_runtime``'s ``Unit`` and its parameter groups):
   gather (the all-gather's input and output exist while the full parameters
   are built from them), add the unit's saved activations, and with
   ``full``/``hybrid`` free the full parameters again (the root keeps its
-  own until its backward);
+  own until its backward); a checkpointed unit adds only its inputs;
 - backward, in reverse: with ``full``/``hybrid`` complete the unit's gather
   (issued by the previous unit as a prefetch: its buffers exist from then,
   ``fully_shard``'s unsharded parameters only from now, when the output is
-  copied into them) and issue the next one's; add its full gradients (and, transiently, the
-  gradients of its largest activation), drop its activations, reduce:
+  copied into them) and issue the next one's; a checkpointed unit
+  recomputes its saved activations now; add its full gradients (and,
+  transiently, the gradients of its largest activation), drop its
+  activations (and a checkpointed unit's inputs), reduce:
   the reduce-scatter input (``fully_shard`` copies the gradients into a
   padded buffer; the wrapper reduces its flat gradient in place) and output
   appear, the previous reduction completes (one in flight at a time) and
   its input goes, and the full parameters are freed; the root comes last;
 - optimizer: one temporary the size of the largest local parameter.
+
+Under activation checkpointing the estimate is an upper bound: it holds a
+unit's recomputed activations and its full gradients at once, where the
+unit's backward frees the first as it makes the second (10-15% above the
+measured peak on a 4-block GPT, ``test_plan.py``).
 
 The estimate's peak is the running total's maximum; "in flight" is the most
 full parameters and full gradients held at once. What it leaves out:
@@ -59,7 +69,7 @@ the real peak and prints both.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -317,11 +327,13 @@ def _simulate_step(
     activations: ActivationProfile | None,
     *,
     plain: bool = False,
+    checkpointed: Collection[str] = (),
 ) -> tuple[int, int]:
     """(peak, most full parameters and gradients held) of one step.
 
     See [Note: a simulated step]. ``plain``: an unsharded model in one process
-    (nothing gathered, gradients kept where autograd puts them).
+    (nothing gathered, gradients kept where autograd puts them);
+    ``checkpointed``: the units under activation checkpointing.
     """
     by_name = {u.name: (u, s) for u, s in zip(units, sizes, strict=True)}
     root = units[-1].name
@@ -332,6 +344,8 @@ def _simulate_step(
         order = [root] + [u.name for u in units[:-1]]
     saved = activations.saved if activations else {}
     largest = activations.largest if activations else {}
+    inputs = activations.inputs if activations else {}
+    recomputed = frozenset(checkpointed) - {root}
     base = sum(s.params + s.optim for s in sizes)
     line = _Timeline(base)
     in_flight = _Timeline(0)
@@ -364,7 +378,7 @@ def _simulate_step(
     for name in order:
         gather(name)
         if name != root:
-            line.alloc(saved.get(name, 0))
+            line.alloc(inputs.get(name, 0) if name in recomputed else saved.get(name, 0))
             if reshard:
                 release(name)
     line.alloc(saved.get(root, 0))
@@ -375,12 +389,14 @@ def _simulate_step(
     def backward(name: str, *, grads_ready: bool = False) -> None:
         nonlocal pending
         s = by_name[name][1]
+        if name in recomputed:
+            line.alloc(saved.get(name, 0))  # the forward runs again, saving what it saves
         if not grads_ready:
             line.alloc(largest.get(name, 0))  # gradients of its activations, in flight
             line.alloc(s.full_grads)
             in_flight.alloc(s.full_grads)
             line.free(largest.get(name, 0))
-        line.free(saved.get(name, 0))
+        line.free(saved.get(name, 0) + (inputs.get(name, 0) if name in recomputed else 0))
         if plain:
             return
         # reduce-scatter: input, output; one reduction in flight at a time
@@ -423,16 +439,18 @@ def estimate_memory(
     *,
     activations: ActivationProfile | None = None,
     rank: int = 0,
+    checkpointed: Collection[str] = (),
 ) -> MemoryEstimate:
     """What ``rank`` holds when ``units`` are sharded as ``config`` says.
 
     See [Note: the memory model]. Rank 0 holds the most (shards are cut
     with ``torch.chunk`` semantics: the first ranks get the larger chunks).
+    ``checkpointed`` names the units under activation checkpointing.
     """
     layout = config.layout()
     shard_rank = rank % layout.shard
     sizes = [_unit_sizes(u, config, layout.shard, shard_rank) for u in units]
-    peak, in_flight = _simulate_step(units, sizes, config, activations)
+    peak, in_flight = _simulate_step(units, sizes, config, activations, checkpointed=checkpointed)
     return MemoryEstimate(
         config=config,
         rank=rank,
@@ -440,13 +458,16 @@ def estimate_memory(
         grads=sum(s.grads for s in sizes),
         optim=sum(s.optim for s in sizes),
         in_flight=in_flight,
-        activations=activations.total if activations else None,
+        activations=activations.kept(checkpointed) if activations else None,
         peak=peak,
     )
 
 
 def unsharded_memory(
-    units: Sequence[UnitPlan], *, activations: ActivationProfile | None = None
+    units: Sequence[UnitPlan],
+    *,
+    activations: ActivationProfile | None = None,
+    checkpointed: Collection[str] = (),
 ) -> MemoryEstimate:
     """What one process training the whole model without sharding holds (AdamW)."""
     config = PlanConfig(strategy="no-shard", world=1)
@@ -461,7 +482,9 @@ def unsharded_memory(
                 full_grads=sum(p.numel for p in trainable) * _F32,
             )
         )
-    peak, _ = _simulate_step(units, sizes, config, activations, plain=True)
+    peak, _ = _simulate_step(
+        units, sizes, config, activations, plain=True, checkpointed=checkpointed
+    )
     return MemoryEstimate(
         config=config,
         rank=0,
@@ -469,6 +492,6 @@ def unsharded_memory(
         grads=sum(s.full_grads for s in sizes),
         optim=sum(s.optim for s in sizes),
         in_flight=0,
-        activations=activations.total if activations else None,
+        activations=activations.kept(checkpointed) if activations else None,
         peak=peak,
     )

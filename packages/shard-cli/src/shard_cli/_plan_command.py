@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
+from shard_cli._blocks import checkpointed_blocks
 from shard_cli._format import format_bytes
 from shard_cli._model_source import ModelSource, load_model_source
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, Frontend, Precision, Strategy
@@ -113,12 +114,18 @@ def plan_report(
     seq: int | None,
     rank: int,
     flat: bool = False,
+    activation_checkpointing: bool = False,
 ) -> dict[str, Any]:
-    """Everything ``shard plan`` prints, as a JSON-able dict (see :func:`format_plan`)."""
+    """Everything ``shard plan`` prints, as a JSON-able dict (see :func:`format_plan`).
+
+    ``activation_checkpointing``: the blocks ``shard train --activation-checkpointing``
+    recomputes keep only their inputs from forward to backward.
+    """
     policy_name = source.default_policy if wrap_policy == "auto" else wrap_policy
     with torch.device("meta"):
         model = source.build()
     units = plan_model_units(model, resolve_policy(policy_name))
+    checkpointed = checkpointed_blocks(model, source) if activation_checkpointing else []
     batch = batch or source.batch
     seq = seq or source.seq
     activations: ActivationProfile | None = None
@@ -167,8 +174,10 @@ def plan_report(
             cpu_offload=cpu_offload,
             flat=flat,
         )
-        columns[strategy] = estimate_memory(units, config, activations=activations, rank=rank)
-    alone = unsharded_memory(units, activations=single)
+        columns[strategy] = estimate_memory(
+            units, config, activations=activations, rank=rank, checkpointed=checkpointed
+        )
+    alone = unsharded_memory(units, activations=single, checkpointed=checkpointed)
     layouts = layout_comparison(units, world=world, precision=precision, rank=rank)
     return {
         "model": source.description,
@@ -180,6 +189,7 @@ def plan_report(
         "world_size": world,
         "rank": rank,
         "flat": flat,
+        "activation_checkpointing": activation_checkpointing,
         "hybrid_shard_size": hybrid,
         "batch": batch if activations else None,
         "seq": seq if activations else None,
@@ -262,6 +272,8 @@ def format_plan(report: dict[str, Any]) -> list[str]:
         "",
     ]
     acts = f"batch {r['batch']} x seq {r['seq']}" if r["batch"] else "no activations"
+    if r["batch"] and r["activation_checkpointing"]:
+        acts += ", blocks checkpointed"
     lines.append(f"per-rank memory (rank {r['rank']}; {acts}):")
     names = list(r["strategies"])
     heads = [f"hybrid({r['hybrid_shard_size']})" if n == "hybrid" else n for n in names]
@@ -335,6 +347,13 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "storage) in the strategy columns; the layout table always shows both",
     )
     p.add_argument(
+        "--activation-checkpointing",
+        dest="activation_checkpointing",
+        action="store_true",
+        help="as shard train --activation-checkpointing: each block keeps only its input "
+        "from forward to backward and recomputes its activations there",
+    )
+    p.add_argument(
         "--wrap-policy",
         dest="wrap_policy",
         default="auto",
@@ -385,6 +404,7 @@ def run_plan(args: argparse.Namespace) -> int:
             seq=args.seq,
             rank=args.rank,
             flat=args.flat,
+            activation_checkpointing=args.activation_checkpointing,
         )
     except (ValueError, ShardError) as exc:
         print(f"shard plan: {exc}", file=sys.stderr)

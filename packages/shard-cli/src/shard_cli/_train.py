@@ -78,7 +78,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
-from shard_cli._blocks import find_blocks, wrap_blocks
+from shard_cli._blocks import checkpointed_blocks, find_blocks, wrap_blocks
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._measure import StepTrace, profile_step
 from shard_cli._model_source import (
@@ -231,12 +231,14 @@ def predict(
     """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process.
 
     A user's model whose fake forward fails is estimated without activations.
+    With ``--activation-checkpointing`` the blocks it applies to (``_blocks.py``)
+    keep only their inputs until their backward recomputes the rest.
     """
     with torch.device("meta"):
-        units = plan_model_units(
-            source.build(), resolve_policy(policy or wrap_policy_name(options, source))
-        )
+        model = source.build()
+        units = plan_model_units(model, resolve_policy(policy or wrap_policy_name(options, source)))
     names = [u.name for u in units]
+    checkpointed = checkpointed_blocks(model, source) if options.activation_checkpointing else []
     vocab = source.vocab_size
 
     def profile(dtype: torch.dtype) -> ActivationProfile | None:
@@ -267,9 +269,13 @@ def predict(
     )
     return (
         estimate_memory(
-            units, plan_config, activations=profile(compute_dtype(options.precision)), rank=rank
+            units,
+            plan_config,
+            activations=profile(compute_dtype(options.precision)),
+            rank=rank,
+            checkpointed=checkpointed,
         ),
-        unsharded_memory(units, activations=profile(torch.float32)),
+        unsharded_memory(units, activations=profile(torch.float32), checkpointed=checkpointed),
     )
 
 
