@@ -93,13 +93,13 @@ class CommContext:
 
     in_flight: list[InFlight] = field(default_factory=list)
 
-    def queue(self, pending: InFlight | None, limit: int) -> None:
-        """Add ``pending``, first finishing the oldest until fewer than ``limit`` remain.
-
-        ``None`` finishes everything (the end of backward).
-        """
-        bound = max(limit, 1) if pending is not None else 0
-        while len(self.in_flight) >= bound and self.in_flight:
+    def queue(self, pending: InFlight, limit: int) -> None:
+        """Add ``pending``, first finishing the oldest until fewer than ``limit`` remain."""
+        while len(self.in_flight) >= max(limit, 1):
             self.in_flight.pop(0).finish()
-        if pending is not None:
-            self.in_flight.append(pending)
+        self.in_flight.append(pending)
+
+    def land(self) -> None:
+        """Finish every reduction in flight, oldest first (the end of a last backward)."""
+        while self.in_flight:
+            self.in_flight.pop(0).finish()

@@ -38,7 +38,5 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     for state in states_in([module for root in states for module in root.modules]):
         pending = state.unit.comm_ctx
         if pending is not shared:
-            for reduction in pending.in_flight:
-                reduction.finish()
-            pending.in_flight.clear()
+            pending.land()
             state.unit.comm_ctx = shared

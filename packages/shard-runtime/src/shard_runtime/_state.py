@@ -521,7 +521,9 @@ class UnitState:
                 # Zeros reach parameters without a gradient only when asked for, as in
                 # PyTorch; otherwise they keep grad None and the optimizer skips them.
                 unit.group.zero_unused_grads = unit.reduce_scatter_unused_params
-            root._queue_reduce(unit.reduce_grads(), unit.reduce_scatter_max_input_buffers)
+            pending = unit.reduce_grads()
+            if pending is not None:  # a unit without gradients leaves the others in flight
+                root._queue_reduce(pending, unit.reduce_scatter_max_input_buffers)
         if unit.reshard_after_backward:
             unit.reshard()
         unit.training_state = TrainingState.POST_BACKWARD
@@ -532,9 +534,9 @@ class UnitState:
         See [Note: a backward that is not the last].
         """
         root = self.root if self.root is not None else self
-        root.unit.comm_ctx.queue(None, 0)
+        root.unit.comm_ctx.land()
 
-    def _queue_reduce(self, pending: PendingReduce | None, limit: int = 1) -> None:
+    def _queue_reduce(self, pending: PendingReduce, limit: int) -> None:
         # At most ``limit`` reductions in flight (one unless the unit's
         # set_reduce_scatter_max_input_buffers raised it) bounds the memory their
         # buffers hold. See [Note: Sharing the communication context] in _comm.py.
@@ -556,8 +558,8 @@ class UnitState:
                 unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
             ):
                 unit.reshard()
-        if self.is_last_backward:
-            self._queue_reduce(None)  # See [Note: a backward that is not the last].
+        if self.is_last_backward:  # See [Note: a backward that is not the last].
+            self.land_reductions()
         for state in self.all_states:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE

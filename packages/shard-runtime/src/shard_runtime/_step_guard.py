@@ -63,8 +63,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     if torch._C._current_graph_task_id() == -1:
         for root in list(_ROOTS):
-            if root.unit.comm_ctx.in_flight:
-                root.land_reductions()
+            root.land_reductions()
         return
     for root in list(_ROOTS):
         if root._final_callback_queued:
@@ -103,4 +102,4 @@ def _check(optimizer: torch.optim.Optimizer, root: UnitState) -> None:
     if held:
         # Every unit it holds has reduced, but the last reductions may still be in
         # flight: land them, so the step sees the complete sharded gradients.
-        root.unit.comm_ctx.queue(None, 0)
+        root.land_reductions()
