@@ -62,6 +62,28 @@ class ActivationProfile:
         )
 
 
+class _Ledger:
+    """Storages charged to units, each storage once: to the first unit that met it."""
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.by_unit: dict[str, dict[int, int]] = {name: {} for name in names}
+        self._seen: set[int] = set()
+
+    def charge(self, name: str, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in self._seen:
+            self._seen.add(key)
+            self.by_unit[name][key] = storage.nbytes()
+
+    def sizes(self, leave_out: set[int]) -> dict[str, list[int]]:
+        """Each unit's storage sizes, but those in ``leave_out`` (the parameters)."""
+        return {
+            name: [n for key, n in charged.items() if key not in leave_out]
+            for name, charged in self.by_unit.items()
+        }
+
+
 def lm_activation_profile(
     build: Callable[[], nn.Module],
     unit_names: Sequence[str],
@@ -84,9 +106,9 @@ def lm_activation_profile(
         model = build().to(dtype)
     stack = [""]
     order: list[str] = [""]
-    saved: dict[str, dict[int, int]] = {name: {} for name in unit_names}
-    saved.setdefault("", {})
-    inputs: dict[str, dict[int, int]] = {name: {} for name in saved}
+    names = list(dict.fromkeys([*unit_names, ""]))  # the units' order, the root once
+    saved = _Ledger(names)
+    inputs = _Ledger(names)
 
     def enter(name: str) -> Callable[..., None]:
         def hook(_: nn.Module, args: Any, kwargs: Any) -> None:
@@ -95,10 +117,7 @@ def lm_activation_profile(
                 order.append(name)
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor):
-                    storage = leaf.untyped_storage()
-                    key = storage._cdata
-                    if all(key not in charged for charged in inputs.values()):
-                        inputs[name][key] = storage.nbytes()
+                    inputs.charge(name, leaf)
 
         return hook
 
@@ -106,15 +125,12 @@ def lm_activation_profile(
         stack.pop()
 
     for name, module in model.named_modules():
-        if name in saved and name:
+        if name in names and name:
             module.register_forward_pre_hook(enter(name), with_kwargs=True)
             module.register_forward_hook(leave)
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if all(key not in charged for charged in saved.values()):
-            saved[stack[-1]][key] = storage.nbytes()
+        saved.charge(stack[-1], tensor)
         return tensor
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -124,16 +140,10 @@ def lm_activation_profile(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = logits_of(model, tokens) if logits_of else model(tokens)
             F.cross_entropy(logits.float().reshape(-1, vocab_size), tokens.reshape(-1))
-    kept = {
-        name: [n for key, n in charged.items() if key not in params]
-        for name, charged in saved.items()
-    }
+    kept = saved.sizes(params)
     return ActivationProfile(
         order=tuple(order),
         saved={name: sum(sizes) for name, sizes in kept.items()},
         largest={name: max(sizes, default=0) for name, sizes in kept.items()},
-        inputs={
-            name: sum(n for key, n in charged.items() if key not in params)
-            for name, charged in inputs.items()
-        },
+        inputs={name: sum(sizes) for name, sizes in inputs.sizes(params).items()},
     )
