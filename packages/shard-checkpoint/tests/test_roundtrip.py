@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_checkpoint import (
@@ -29,20 +28,13 @@ from shard_checkpoint import (
 )
 from shard_runtime import MixedPrecisionPolicy, fully_shard
 from shard_testing import RankPool
-from shard_testing.models import ToyNet, sharded_toy_net, toy_batches
+from shard_testing.models import ToyNet, data_parallel_mesh, sharded_toy_net, toy_batches
 
 FULL = StateDictOptions(full_state_dict=True)
 
 
-def _mesh(hybrid: bool) -> DeviceMesh:
-    world = dist.get_world_size()
-    if hybrid:
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
-
-
 def _sharded_model(*, hybrid: bool = False, zeroed: bool = False) -> ToyNet:
-    return sharded_toy_net(fully_shard, mesh=_mesh(hybrid), zeroed=zeroed)
+    return sharded_toy_net(fully_shard, mesh=data_parallel_mesh(hybrid=hybrid), zeroed=zeroed)
 
 
 def _trained_model(*, hybrid: bool = False) -> ToyNet:
@@ -102,7 +94,7 @@ def _round_trip_full() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
 
 
 def _mixed_precision_mid_step() -> dict[str, Any]:
-    mesh = _mesh(hybrid=False)
+    mesh = data_parallel_mesh()
     model = ToyNet()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for block in model.blocks:

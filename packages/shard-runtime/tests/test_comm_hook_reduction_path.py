@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shard_comms import DefaultGradReducer, count_collectives, resolve_comm_hook
@@ -27,6 +27,7 @@ from shard_runtime._state import states_in
 from shard_runtime.plumbing import clean_fqn
 from shard_testing import RankPool
 from shard_testing.compat import CountingReduceScatter
+from shard_testing.models import data_parallel_mesh, uneven_mlp
 
 MICRO_BATCHES = 2
 KINDS: tuple[Literal["reduce_scatter", "all_reduce"], ...] = ("reduce_scatter", "all_reduce")
@@ -46,19 +47,6 @@ class IdentityHook:
         assert isinstance(reducer, DefaultGradReducer)
         self.groups.append(reducer.group)
         reducer.reduce(grad, output)
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    # 7 rows: uneven shards over 2 ranks, so padding goes through the hook too.
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
-
-
-def _mesh(two_d: bool) -> DeviceMesh:
-    world = dist.get_world_size()
-    if two_d:
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
 
 
 def _scale_by_three(shard: torch.Tensor) -> None:
@@ -98,8 +86,8 @@ def _apply_control(model: nn.Sequential, control: str) -> dict[str, Any]:
 
 
 def _train(control: str, two_d: bool, hook: CommHook | None) -> dict[str, Any]:
-    mesh = _mesh(two_d)
-    model = _model()
+    mesh = data_parallel_mesh(hybrid=two_d)
+    model = uneven_mlp()
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
     root: FSDPModule = model  # type: ignore[assignment]
@@ -227,7 +215,7 @@ def test_bf16_compress_hook_matches_to_bf16_rounding(
 def _wrapper_hybrid(with_hook: bool) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = FullyShardedDataParallel(
-        _model(),
+        uneven_mlp(),
         device_mesh=mesh,
         sharding_strategy=ShardingStrategy.HYBRID_SHARD,
         auto_wrap_policy=_wrap_middle,

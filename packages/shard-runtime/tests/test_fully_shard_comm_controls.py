@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shard_comms import count_collectives, get_device_handle
 from shard_runtime import FSDPModule, fully_shard, share_comm_ctx
@@ -24,19 +23,13 @@ from shard_runtime._state import get_state
 from shard_testing import RankPool
 from shard_testing.compat import BranchNet, CountingAllGather, CountingReduceScatter
 from shard_testing.compat import error as _error
+from shard_testing.models import data_parallel_mesh
 
 Grads = dict[str, list[float]]
 
 
 class _Net(BranchNet):
     """BranchNet under the name the messages checked here spell (``fully_shard(_Net)``)."""
-
-
-def _mesh(hsdp: bool) -> DeviceMesh:
-    world = dist.get_world_size()
-    if hsdp:
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
 
 
 def _batch(rank: int) -> torch.Tensor:
@@ -54,7 +47,7 @@ def _sharded(hsdp: bool = False) -> tuple[_Net, Any]:
     """The model sharded bottom-up (emb, l1, side, then the root holding l2)."""
     torch.manual_seed(0)
     model = _Net()
-    mesh = _mesh(hsdp)
+    mesh = data_parallel_mesh(hybrid=hsdp)
     for child in (model.emb, model.l1, model.side):
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)

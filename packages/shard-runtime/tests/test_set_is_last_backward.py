@@ -16,35 +16,22 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from shard_runtime._state import UnitState, get_state, states_in
 from shard_testing import RankPool
 from shard_testing.compat import fsdp_namespace
+from shard_testing.models import data_parallel_mesh, uneven_mlp
 
 MICRO_BATCHES = 3
 Impl = Literal["torch", "shard"]
 
 
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    # 7 and 3 rows: uneven shards over 2 ranks.
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
-
-
-def _mesh(two_d: bool) -> DeviceMesh:
-    world = dist.get_world_size()
-    if two_d:
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
-
-
 def _sharded(impl: Impl, two_d: bool = False) -> nn.Sequential:
     """Units model[0], model[2] and the root (model[4])."""
     fully_shard = fsdp_namespace(impl).fully_shard
-    mesh = _mesh(two_d)
-    model = _model()
+    mesh = data_parallel_mesh(hybrid=two_d)
+    model = uneven_mlp()
     fully_shard(model[0], mesh=mesh)
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -25,10 +26,12 @@ __all__ = [
     "ResidualBlock",
     "ToyNet",
     "check_toy_parity",
+    "data_parallel_mesh",
     "sharded_toy_net",
     "toy_batches",
     "toy_reference",
     "train_toy",
+    "uneven_mlp",
     "wrapper_full_params",
 ]
 
@@ -207,3 +210,17 @@ class LinearStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+def uneven_mlp() -> nn.Sequential:
+    """Linear 5->7, tanh, 7->6, tanh, 6->3 (seed 0): 7 and 3 rows shard unevenly over 2 ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def data_parallel_mesh(*, hybrid: bool = False) -> DeviceMesh:
+    """A CPU mesh over the world: 1-D, or ``(2, world // 2)`` named replicate, shard."""
+    world = dist.get_world_size()
+    if hybrid:
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
