@@ -105,7 +105,7 @@ class FlatBufferLayout:
         self.keep_low_precision_grads = keep_low_precision_grads
         self.flat_owner = flat_owner
         self.requires_grad = any(s.param.requires_grad for s in specs)
-        self.has_frozen = any(not s.param.requires_grad for s in specs)
+        self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
         self.flat_param: nn.Parameter | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._views_registered = False
@@ -201,13 +201,34 @@ class FlatBufferLayout:
             self._hook = None
         if self.layout is None:
             return
+        self._on_grad_ready = on_grad_ready
         dtype = param_dtype or self.shard.dtype
         self.unsharded = torch.empty(self.world * self.shard.numel(), dtype=dtype, device=device)
-        self.unsharded_param = nn.Parameter(self.unsharded, requires_grad=self.requires_grad)
+        self.unsharded_param = nn.Parameter(self.unsharded, requires_grad=False)
         free_storage(self.unsharded)
-        if self.requires_grad:
+        self.sync_requires_grad()
+
+    def _user_requires_grad(self) -> bool:
+        """Whether any parameter the user sees trains: the flat one, or any original."""
+        if self.flat_param is not None:
+            return self.flat_param.requires_grad
+        return any(s.param.requires_grad for s in self.specs)
+
+    def requires_grad_changed(self) -> bool:
+        return self.layout is not None and self._user_requires_grad() != self.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        # The flat buffer trains while any original parameter does; a frozen original's piece
+        # of the reduced gradient is dropped in ``accumulate``. See [Note: requires_grad is
+        # read at every forward] in _per_param_layout.py.
+        if self.layout is None:
+            return
+        self.requires_grad = self._user_requires_grad()
+        self.unsharded_param.requires_grad_(self.requires_grad)
+        if self.requires_grad and self._hook is None:
+            assert self._on_grad_ready is not None, "init_compute first"
             hook = self.unsharded_param.register_post_accumulate_grad_hook
-            self._hook = hook(on_grad_ready)  # type: ignore[no-untyped-call]
+            self._hook = hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
 
     def reset_after_apply(self) -> None:
         """Adopt what ``module._apply`` did to the shard (a new dtype or device)."""

@@ -112,7 +112,6 @@ class ShardedParam:
     owners: list[ParamOwner]
     full_shape: torch.Size  # the parameter's global shape (the sharded DTensor's shape)
     data_shape: torch.Size  # what the unit gathers: full_shape, or the tp local tensor's shape
-    requires_grad: bool
     # - sharding ("rows" are slices along shard_dim)
     mesh: DeviceMesh  # the data-parallel mesh the unit communicates over
     dtensor_mesh: DeviceMesh  # the sharded DTensor's mesh: mesh, or the mesh with tp axes
@@ -207,7 +206,6 @@ class ShardedParam:
             owners=owners,
             full_shape=full_shape,
             data_shape=data_shape,
-            requires_grad=param.requires_grad,
             mesh=mesh,
             dtensor_mesh=layout.sharded_mesh,
             placements=layout.sharded_placements,
@@ -243,6 +241,21 @@ class ShardedParam:
             data = DTensor(data, spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         self.free_unsharded()
+
+    # -------------------------------------------------------------- trainability
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the parameter trains: the flag the user sees (and sets) on the sharded face.
+
+        See [Note: requires_grad is read at every forward] in ``_per_param_layout.py``.
+        """
+        return self.sharded_param.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """Give the unsharded face the sharded face's ``requires_grad`` (a leaf: always allowed)."""
+        if self.unsharded_param.requires_grad != self.requires_grad:
+            self.unsharded_param.requires_grad_(self.requires_grad)
 
     # -------------------------------------------------------------- sizes
 

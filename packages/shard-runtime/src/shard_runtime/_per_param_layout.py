@@ -10,6 +10,16 @@ another dim (``shard_placement_fn``) has its blocks interleaved along that dim
 (:meth:`ShardedParam.write_gathered`). The reduction uses the same layout over
 the trainable parameters; the shards are already padded in place
 (``padded_dim0_size`` rows each, shard-core's dim-0 math).
+
+[Note: requires_grad is read at every forward]
+Fine-tuning freezes and unfreezes parameters after the model was sharded
+(progressive unfreezing, a LoRA base frozen late). The flag the user sets is
+the sharded parameter's, so the layout reads it again before each forward of
+the unit (:meth:`PerParamLayout.sync_requires_grad`, as PyTorch reads it at
+each all-gather): the unsharded face gets the same flag, so autograd computes
+a gradient exactly for the parameters that train now; the reduction covers
+those parameters only (a frozen one is neither sent nor given a gradient);
+and a parameter that starts to train gets its gradient-ready hook then.
 """
 
 from __future__ import annotations
@@ -30,7 +40,10 @@ class PerParamLayout:
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._label = label
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        # - gradient-ready hooks, by index in ``params``; see [Note: requires_grad is read at
+        #   every forward]
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
         self._gather_dtype: torch.dtype | None = None
         # - per reduction issued and not yet accumulated: which trainable params had a grad
         #   (accumulate folds them all: a unit's reductions land in the order issued)
@@ -87,14 +100,13 @@ class PerParamLayout:
         device: torch.device,
         on_grad_ready: Callable[[torch.Tensor], None],
     ) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks.values():
             handle.remove()
-        self._hooks = []
+        self._hooks = {}
+        self._on_grad_ready = on_grad_ready
         for p in self.params:
             p.init_unsharded(param_dtype or p.padded_shard.dtype, device)
-            if p.requires_grad:
-                hook = p.unsharded_param.register_post_accumulate_grad_hook
-                self._hooks.append(hook(on_grad_ready))  # type: ignore[no-untyped-call]
+        self._hook_trainable()
         dtypes = {p.unsharded_param.dtype for p in self.params}
         if len(dtypes) > 1:
             names = ", ".join(f"{p.fqn} ({p.unsharded_param.dtype})" for p in self.params)
@@ -108,6 +120,25 @@ class PerParamLayout:
     def reset_after_apply(self) -> None:
         for p in self.params:
             p.reset_sharded_param()
+
+    def requires_grad_changed(self) -> bool:
+        return [p for p in self.params if p.requires_grad] != self.trainable
+
+    def sync_requires_grad(self) -> None:
+        # See [Note: requires_grad is read at every forward].
+        for p in self.params:
+            p.sync_requires_grad()
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self._reduce_numel = sum(p.padded_numel for p in self.trainable)
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """Hook each trainable unsharded parameter's gradient (once; frozen ones cannot be)."""
+        assert self._on_grad_ready is not None, "init_compute first"
+        for index, p in enumerate(self.params):
+            if p.requires_grad and index not in self._hooks:
+                hook = p.unsharded_param.register_post_accumulate_grad_hook
+                self._hooks[index] = hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ gather
 

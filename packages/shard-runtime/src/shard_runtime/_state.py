@@ -65,6 +65,31 @@ once, at the first of:
 Gradients read directly (``param.grad``) miss what is in flight: read them
 after a backward with ``True``.
 
+[Note: post-backward when the unit's backward is done]
+A unit reduces its gradients and frees its full parameters once its backward
+is over, not merely once its trainable parameters have gradients: autograd
+may still need a frozen weight after that, to carry the gradient on to the
+unit's input (a LoRA layer, ``base(x) + b(a(x))`` with ``base`` frozen:
+``b`` and ``a`` have their gradients before ``base``'s weight is used for
+``x``'s). So the post-backward waits for two things:
+
+- every trainable parameter's gradient is accumulated (the unit counts the
+  gradient-ready hooks), which covers gradients that reach a parameter on a
+  path that does not lead back to the input; and
+- the gradient of every forward input that requires one is computed: each
+  forward of the unit passes those inputs through :class:`_BackwardDone`,
+  an identity whose backward counts down ``inputs_pending``.
+
+Whichever comes last runs the post-backward, so the reduce-scatter still
+starts while autograd moves on to the unit before (the overlap). A unit whose
+inputs need no gradient (the first layer, a frozen embedding before it) has
+only the first condition; a unit that got no gradient at all, or whose
+counted forwards never all ran backward (a forward whose output was not used
+in the loss), is reduced by the end-of-backward callback, which also resets
+the counts. A forward run again inside the unit's own backward (activation
+checkpointing recomputing it) only casts: the parameters are gathered for the
+backward already, and it is no new use of the unit.
+
 [Note: parameters replaced before the first forward]
 ``fully_shard`` registers each parameter's sharded DTensor on its module; a
 user may replace it before training starts (``module.weight =
@@ -78,6 +103,7 @@ PyTorch's exception type, AttributeError, naming the parameter and the fix.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -104,6 +130,7 @@ _STATE_ATTR = "_shard_state"
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
 BackwardPrefetchMode = Literal["pre", "post", "none"]
+_Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def clean_fqn(name: str) -> str:
@@ -181,6 +208,9 @@ class UnitState:
         self.on_iteration_abort: Callable[[], None] | None = None
         # - grouped modules: reshard once the last of them has run forward
         self._forwards_done: set[int] = set()
+        # - forwards whose inputs' gradients backward has not computed yet; see
+        #   [Note: post-backward when the unit's backward is done]
+        self.inputs_pending = 0
         unit.on_all_grads_ready = self._on_all_grads_ready
         # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
         #   in _compile.py
@@ -290,6 +320,10 @@ class UnitState:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Gather the unit, start explicit prefetches, cast inputs."""
+        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+            # Recomputed inside its own backward; see [Note: post-backward when the unit's
+            # backward is done].
+            return self._cast_inputs(args, kwargs)
         if self.root is None:
             self._lazy_init()
         root = self.root
@@ -302,14 +336,48 @@ class UnitState:
         self.unit.training_state = TrainingState.FORWARD
         if root.on_forward_gather is not None:
             root.on_forward_gather(self.unit.comm_label)
+        self.unit.sync_requires_grad()  # See [Note: requires_grad is read at every forward].
         self.unit.unshard()
         for target in self._forward_prefetch_targets():
             self._prefetch(target)
+        if torch.is_grad_enabled():
+            args, kwargs = self._watch_input_grads((args, kwargs))
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         cast = self.mp_policy.cast_forward_inputs or (self.cast_root_inputs and self.is_root)
         if cast and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = map_tensors(lambda t: _cast_floating(t, dtype), (args, kwargs))
         return args, kwargs
+
+    def _watch_input_grads(self, inputs: _Inputs) -> _Inputs:
+        """Pass the inputs that need a gradient through :class:`_BackwardDone`.
+
+        See [Note: post-backward when the unit's backward is done].
+        """
+        needing: dict[int, torch.Tensor] = {}
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                needing.setdefault(id(t), t)
+            return t
+
+        map_tensors(collect, inputs)
+        if not needing:
+            return inputs
+        self.inputs_pending += 1
+        watched = _BackwardDone.apply(weakref.ref(self), *needing.values())  # type: ignore[no-untyped-call]
+        by_id = dict(zip(needing, watched, strict=True))
+        result: _Inputs = map_tensors(lambda t: by_id.get(id(t), t), inputs)
+        return result
+
+    def _on_inputs_grad_ready(self) -> None:
+        self.inputs_pending -= 1
+        if self.inputs_pending == 0 and self.unit.grads_ready():
+            self._post_backward()
 
     def _post_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -318,6 +386,10 @@ class UnitState:
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         """Free the unit unless kept, record the order, hook the outputs for backward."""
+        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+            # Recomputed inside its own backward; see [Note: post-backward when the unit's
+            # backward is done].
+            return self._cast_output(output)
         root = self.root
         assert root is not None
         grad_enabled = torch.is_grad_enabled()
@@ -335,10 +407,13 @@ class UnitState:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_entry)  # type: ignore[no-untyped-call]
+        self.unit.training_state = TrainingState.IDLE
+        return self._cast_output(output)
+
+    def _cast_output(self, output: Any) -> Any:
         if self.mp_policy.output_dtype is not None:
             dtype = self.mp_policy.output_dtype
             output = map_tensors(lambda t: _cast_floating(t, dtype), output)
-        self.unit.training_state = TrainingState.IDLE
         return output
 
     def _reshards_after_forward(self, grad_enabled: bool) -> bool:
@@ -438,6 +513,7 @@ class UnitState:
             unit.reset_backward()
             unit.training_state = TrainingState.IDLE
             state._forwards_done.clear()
+            state.inputs_pending = 0
         self.post_forward_order.clear()
         self._final_callback_queued = False
         if self.on_iteration_abort is not None:
@@ -504,7 +580,9 @@ class UnitState:
         return [order[index - 1]] if index > 0 else []
 
     def _on_all_grads_ready(self, unit: Unit) -> None:
-        self._post_backward()
+        # See [Note: post-backward when the unit's backward is done].
+        if self.inputs_pending == 0:
+            self._post_backward()
 
     def _post_backward(self) -> None:
         unit = self.unit
@@ -563,6 +641,7 @@ class UnitState:
         for state in self.all_states:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
+            state.inputs_pending = 0
         self._final_callback_queued = False
         self.step += 1
         set_flight_step(self.step)
@@ -582,3 +661,26 @@ def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if torch.is_floating_point(tensor) and tensor.dtype != dtype:
         return tensor.to(dtype)
     return tensor
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward says their gradients are computed.
+
+    See [Note: post-backward when the unit's backward is done]. It holds the
+    state weakly, as the gradient hooks do (see [Note: Gradient hooks hold the
+    unit weakly] in ``_unit.py``).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, state: weakref.ref[UnitState], *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        state = ctx.state()
+        if state is not None:
+            state._on_inputs_grad_ready()
+        return (None, *grads)

@@ -397,10 +397,34 @@ class Unit:
 
     # ------------------------------------------------------------------ gradients
 
+    def sync_requires_grad(self) -> None:
+        """Train the parameters whose ``requires_grad`` is set now, from this forward on.
+
+        A reduction of this unit still in flight was laid out for the old set
+        of parameters, so it lands first. See [Note: requires_grad is read at
+        every forward] in ``_per_param_layout.py``.
+        """
+        if not self.group.requires_grad_changed():
+            return
+        if self._pending_reduce is not None:
+            self._pending_reduce.finish()
+        if self._partial_reduce is not None:
+            raise RuntimeError(
+                f"fully_shard({self.comm_label}): requires_grad of a parameter of "
+                f"{', '.join(self.group.fqns)} changed while its gradients wait for the replica "
+                "all-reduce (set_requires_all_reduce(False)); change requires_grad after a "
+                "backward with set_requires_all_reduce(True)"
+            )
+        self.group.sync_requires_grad()
+
     def _on_grad_ready(self, _param: torch.Tensor) -> None:
         self._grads_ready += 1
         if self._grads_ready == self.group.num_trainable and self.on_all_grads_ready is not None:
             self.on_all_grads_ready(self)
+
+    def grads_ready(self) -> bool:
+        """Whether every trainable parameter got its gradient in this backward."""
+        return self._grads_ready >= self.group.num_trainable
 
     def reset_backward(self) -> None:
         """Forget this backward's gradient bookkeeping."""

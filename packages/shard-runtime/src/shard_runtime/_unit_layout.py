@@ -120,6 +120,18 @@ class UnitLayout(Protocol):
         """Add the reduced gradient shard ``output`` to the sharded gradients."""
         ...
 
+    def requires_grad_changed(self) -> bool:
+        """Whether the user changed a parameter's ``requires_grad`` since the last sync."""
+        ...
+
+    def sync_requires_grad(self) -> None:
+        """Train exactly the parameters whose ``requires_grad`` is set now.
+
+        Called before a forward of the unit; see [Note: requires_grad is read at
+        every forward] in ``_per_param_layout.py``.
+        """
+        ...
+
     def reset_after_apply(self) -> None:
         """Adopt new sharded tensors after ``module._apply`` (``.to()``, ``to_empty()``)."""
         ...
