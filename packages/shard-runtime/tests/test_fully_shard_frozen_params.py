@@ -218,3 +218,16 @@ def test_reduce_scatter_overlaps_the_next_backward(
     position = {label: i for i, (op, label, _) in enumerate(order) if op == "reduce_scatter"}
     first_gather = {label: i for label, i in reversed(gathers)}
     assert position["blocks.2"] < first_gather["blocks.0"], order
+
+
+def test_frozen_unit_skips_backward_collectives(rank_pool: RankPool) -> None:
+    """A unit with every parameter frozen, whose input needs no gradient, neither gathers for
+    backward nor reduce-scatters; the frozen root does not reduce either."""
+    order = rank_pool.run(_collective_order, 2, ("inp.", "blocks.0."), False)[0]
+    backward = [(op, label) for op, label, phase in order if not phase.startswith("forward")]
+    assert backward == [
+        ("all_gather", "blocks.2"),
+        ("all_gather", "blocks.1"),
+        ("reduce_scatter", "blocks.2"),
+        ("reduce_scatter", "blocks.1"),
+    ], order

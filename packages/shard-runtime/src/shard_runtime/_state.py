@@ -211,6 +211,9 @@ class UnitState:
         # - forwards whose inputs' gradients backward has not computed yet; see
         #   [Note: post-backward when the unit's backward is done]
         self.inputs_pending = 0
+        # An output of a forward since the last backward needs a gradient: only then does the
+        # unit have a backward to gather for (a frozen unit before every trainable one has none).
+        self.runs_backward = False
         unit.on_all_grads_ready = self._on_all_grads_ready
         # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
         #   in _compile.py
@@ -407,6 +410,7 @@ class UnitState:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_entry)  # type: ignore[no-untyped-call]
+                    self.runs_backward = True
         self.unit.training_state = TrainingState.IDLE
         return self._cast_output(output)
 
@@ -514,6 +518,7 @@ class UnitState:
             unit.training_state = TrainingState.IDLE
             state._forwards_done.clear()
             state.inputs_pending = 0
+            state.runs_backward = False
         self.post_forward_order.clear()
         self._final_callback_queued = False
         if self.on_iteration_abort is not None:
@@ -537,7 +542,7 @@ class UnitState:
         self.unit.unshard()
         if self.backward_prefetch is not None or self.backward_prefetch_mode == "pre":
             for target in self._backward_prefetch_targets():
-                if target.unit.unshard_in_backward:
+                if target.unit.unshard_in_backward and target.runs_backward:
                     self._prefetch(target)
 
     def _prefetch(self, target: UnitState) -> None:
@@ -592,7 +597,7 @@ class UnitState:
         assert root is not None
         if self.backward_prefetch is None and self.backward_prefetch_mode == "post":
             for target in self._backward_prefetch_targets():
-                if target.unit.unshard_in_backward:
+                if target.unit.unshard_in_backward and target.runs_backward:
                     self._prefetch(target)
         if unit.requires_gradient_sync:
             if isinstance(unit.group, PerParamLayout):
@@ -642,6 +647,7 @@ class UnitState:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
             state.inputs_pending = 0
+            state.runs_backward = False
         self._final_callback_queued = False
         self.step += 1
         set_flight_step(self.step)
