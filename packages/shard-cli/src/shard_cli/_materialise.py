@@ -114,6 +114,7 @@ def materialise(
     seed: int,
     init: ModuleInit,
     param_device: torch.device | None = None,
+    seed_name: Callable[[str], str] | None = None,
 ) -> None:
     """Give ``model``'s meta tensors storage and values from ``init``, unit by unit.
 
@@ -122,7 +123,9 @@ def materialise(
     on ``param_device`` (default ``device``; the CPU for offloaded shards),
     full tensors are initialised on ``device``, and real buffers move to
     ``device`` with their values. See [Note: initial values independent of
-    the world size] and [Note: one unit at a time].
+    the world size] and [Note: one unit at a time]. ``seed_name`` maps a
+    module's qualified name to the name its generator is seeded by (default:
+    the name itself).
 
     Raises:
         ValueError: a tensor is still on the meta device afterwards (named),
@@ -144,7 +147,9 @@ def materialise(
                 other._parameters[other_name] = module._parameters[name]
         names = {id(m): name for name, m in model.named_modules()}
         for unit in _units(model):
-            _initialise_unit(model, unit, names, device=device, seed=seed, init=init)
+            _initialise_unit(
+                model, unit, names, device=device, seed=seed, init=init, seed_name=seed_name
+            )
     left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(
@@ -180,6 +185,7 @@ def _initialise_unit(
     device: torch.device,
     seed: int,
     init: ModuleInit,
+    seed_name: Callable[[str], str] | None,
 ) -> None:
     """One unit's pass: full tensors in, initialise each module, slices out, shards back."""
     full: dict[int, nn.Parameter] = {}
@@ -202,7 +208,8 @@ def _initialise_unit(
         devices = [device] if device.type != "cpu" else []
         for module in modules:
             with torch.random.fork_rng(devices=devices, device_type=device.type):
-                torch.manual_seed(module_seed(seed, names[id(module)]))
+                name = names[id(module)]
+                torch.manual_seed(module_seed(seed, seed_name(name) if seed_name else name))
                 init(root, module)
     finally:
         for module, name, param in swapped:

@@ -65,6 +65,10 @@ class ModelSource:
             ``init(root, module)``, after the model was built on the meta
             device; ``None``: the model is built with its values on the CPU
             (its constructor initialises it).
+        seed_name: The name a module's initialisation is seeded by, from its
+            qualified name; ``None``: the name itself (see ``_materialise.py``;
+            LoRA's base layers keep their names from before the adapter,
+            ``_finetune.py``).
     """
 
     description: str
@@ -75,6 +79,7 @@ class ModelSource:
     logits_of: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
     default_policy: str
     init: ModuleInit | None = None
+    seed_name: Callable[[str], str] | None = None
 
 
 def _registered_or_none(name: str) -> str:
@@ -270,7 +275,7 @@ def build_for_training(
     with parameters_on_meta():
         model = source.build()
     if not sharded_later:
-        materialise(model, device=device, seed=seed, init=source.init)
+        materialise(model, device=device, seed=seed, init=source.init, seed_name=source.seed_name)
     return model
 
 
@@ -296,6 +301,7 @@ def materialise_sharded(
         param_device=torch.device("cpu") if cpu_offload else None,
         seed=seed,
         init=source.init,
+        seed_name=source.seed_name,
     )
 
 
