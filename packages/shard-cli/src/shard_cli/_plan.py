@@ -18,10 +18,15 @@ Per rank, in bytes, counted like ``shard train`` measures them (see
   ``shard_runtime``'s ``is_flat_layout``); the wrapper keeps
   ``ceil(numel / s)`` elements of each unit's flat buffer (``s``: the shard
   group size, 1 for no-shard).
-- gradients: one reduce-scatter output per unit, the size of its shards.
-- AdamW: ``exp_avg`` and ``exp_avg_sq`` per parameter in its local
+- gradients: one reduce-scatter output per unit, the size of its shards,
+  of its trainable parameters only (``requires_grad``: ``--lora`` and
+  ``--freeze`` freeze the rest, ``_finetune.py``); a wrapper unit's is its
+  whole flat shard, or with ``use_orig_params`` (``shard train`` with
+  frozen parameters) each trainable parameter's piece of it.
+- AdamW: ``exp_avg`` and ``exp_avg_sq`` per trainable parameter in its local
   (``fully_shard``: unpadded rows, or flat elements, of this rank) shape,
-  and a 4-byte ``step``.
+  and a 4-byte ``step``; a wrapper unit: per flat shard, or with
+  ``use_orig_params`` per trainable parameter with a piece in this shard.
 - activations: the tensors autograd saves in forward for backward, per
   unit, counted by running the model's forward on fake tensors (no memory)
   for the given batch and sequence length (``_activations.py``); without an
@@ -180,6 +185,11 @@ class PlanConfig:
             backward prefetch: 1).
         flat: ``fully_shard`` with ``shard_placement_fn=flat_shard_placement``
             (ignored by the wrapper, whose units are flat already).
+        orig_params: The wrapper with ``use_orig_params=True`` (what ``shard
+            train`` passes when some parameter is frozen; ignored by
+            ``fully_shard``): each parameter is 16-byte aligned in the flat
+            buffer, and gradients and AdamW state exist per trainable
+            parameter, for its piece of this rank's shard.
     """
 
     frontend: Frontend = "fully_shard"
@@ -190,6 +200,7 @@ class PlanConfig:
     cpu_offload: bool = False
     prefetch: int = 1
     flat: bool = False
+    orig_params: bool = False
 
     def layout(self) -> ShardLayout:
         """The replicate x shard split of the ranks."""
@@ -260,7 +271,11 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
     ec = 2 if config.precision == "bf16" else e
     trainable = unit.trainable
     if config.frontend == "wrapper":
-        layout = FlatLayout.from_specs(unit.params, dtype=torch.float32, device="meta")
+        # use_orig_params aligns every parameter to 16 bytes, as PyTorch does.
+        alignment = max(1, 16 // e) if config.orig_params else 1
+        layout = FlatLayout.from_specs(
+            unit.params, dtype=torch.float32, device="meta", alignment=alignment
+        )
         n = layout.shard_numel(shard)
         if not trainable:
             return _Sizes(
@@ -269,10 +284,20 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
                 gather_temp=n * ec if ec != e else 0,
                 into_unsharded=True,
             )
+        grads, optim = n * _F32, 2 * n * e + _STEP_BYTES
+        if config.orig_params:
+            # Each trainable parameter's piece of this shard (none: no gradient, no state).
+            pieces = [
+                info.numel_in_range
+                for info in layout.shard_metadata(shard_rank, shard).params
+                if info.name not in unit.frozen
+            ]
+            grads = sum(pieces) * _F32
+            optim = sum(2 * k * e + _STEP_BYTES for k in pieces)
         return _Sizes(
             params=n * e,
-            grads=n * _F32,
-            optim=2 * n * e + _STEP_BYTES,
+            grads=grads,
+            optim=optim,
             unsharded=shard * n * ec,
             # The all-gather writes into the unsharded buffer; it sends the shard
             # itself unless it must be cast to the compute dtype first.

@@ -19,6 +19,7 @@ machine). ``bf16`` computes in bfloat16 and reduces gradients in float32.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,10 @@ _WRAPPER_STRATEGIES = {
     "no-shard": ShardingStrategy.NO_SHARD,
     "hybrid": ShardingStrategy.HYBRID_SHARD,
 }
+
+
+# The start of the wrapper's warning for a unit of frozen and trainable parameters.
+_MIXED_UNIT_WARNING = r"FullyShardedDataParallel\(.*\): frozen and trainable parameters share"
 
 
 @dataclass(frozen=True)
@@ -130,8 +135,17 @@ def shard_model(
     cpu_offload: bool,
     policy: WrapPolicy | str | None,
     device: torch.device,
+    use_orig_params: bool = False,
 ) -> tuple[nn.Module, DeviceMesh]:
     """Shard ``model`` (a plain model on the CPU) and return it with the mesh it shards over.
+
+    ``use_orig_params`` (the wrapper only; ``fully_shard`` keeps every
+    parameter its own): the wrapper's parameters stay the model's, views of
+    the flat shard, which a unit that mixes frozen and trainable parameters
+    needs (``shard train`` passes it when some parameter is frozen). The
+    wrapper's warning that the unit's full gradient then spans its frozen
+    parameters too is silenced: ``shard plan`` counts those bytes, and LoRA
+    puts adapters beside their frozen base in every block by design.
 
     Collective: every rank calls it with the same arguments.
     """
@@ -154,15 +168,18 @@ def shard_model(
         )
         return model, mesh
     make: Callable[..., nn.Module] = FullyShardedDataParallel
-    wrapped = make(
-        model,
-        sharding_strategy=_WRAPPER_STRATEGIES[strategy],
-        auto_wrap_policy=policy,
-        mixed_precision=(
-            MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if low else None
-        ),
-        cpu_offload=CPUOffload(offload_params=cpu_offload),
-        device_id=device if device.type != "cpu" else None,
-        device_mesh=mesh if strategy != "no-shard" else None,
-    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_MIXED_UNIT_WARNING, category=UserWarning)
+        wrapped = make(
+            model,
+            sharding_strategy=_WRAPPER_STRATEGIES[strategy],
+            auto_wrap_policy=policy,
+            mixed_precision=(
+                MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32) if low else None
+            ),
+            cpu_offload=CPUOffload(offload_params=cpu_offload),
+            device_id=device if device.type != "cpu" else None,
+            device_mesh=mesh if strategy != "no-shard" else None,
+            use_orig_params=use_orig_params,
+        )
     return wrapped, mesh
