@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shard_cli._finetune import add_finetuning_flags
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, TrainOptions, resolve_options
 from shard_cli._presets import PRESETS
 from shard_cli._schedule import LR_SCHEDULES
@@ -21,6 +22,12 @@ or false; flags on the command line win over the file, e.g.
   lr_schedule = "cosine"
   warmup_steps = 20
   activation_checkpointing = true
+  freeze = ["model.embed_tokens.*", "lm_head.*"]
+
+fine-tuning: --lora and --freeze change the model before it is sharded; only
+the parameters left trainable get gradients and AdamW state (shard plan takes
+the same flags), and the checkpoint holds the whole model, frozen weights
+included. e.g. shard train --hf-config llama/config.json --lora 8
 
 several machines: run the same module under torchrun on each, e.g.
   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
@@ -129,6 +136,7 @@ def _add_train(
         f"checkpoint (default {defaults.max_restarts}: a failed rank ends the run)",
     )
     _add_optimization(p)
+    add_finetuning_flags(p, alpha=True)
     return p
 
 
@@ -242,6 +250,10 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
             from shard_cli._blocks import check_compiler
 
             check_compiler()
+        if options.lora is not None:
+            from shard_cli._finetune import check_peft
+
+            check_peft()
     except (ValueError, FileNotFoundError, LookupError, ImportError) as exc:
         print(f"shard train: {exc}", file=sys.stderr)
         return 2
@@ -253,7 +265,8 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    if options.model or options.hf_config:  # the user's model: fail here, not on every rank
+    # The user's model, or one fine-tuned by patterns and targets: fail here, not on every rank.
+    if options.model or options.hf_config or options.lora is not None or options.freeze:
         from shard_cli._train import preflight
 
         try:

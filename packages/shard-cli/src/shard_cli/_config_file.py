@@ -6,7 +6,8 @@ dashes, dashes written as underscores (``--run-dir`` is ``run_dir``,
 ``--nproc-per-node`` is ``nproc_per_node``, its alias ``nproc`` works too).
 A switch (``--resume``, ``--compile``) takes ``true`` or ``false``; every
 other key takes the value the flag takes, as a TOML string, integer or
-float. Flags given on the command line win over the file. Keys are checked
+float; a repeatable flag (``--freeze``) takes a list of strings, or one
+string. Flags given on the command line win over the file. Keys are checked
 here, before any rank starts, against the very parser that reads the
 command line, so a key the command line would not accept (an unknown name,
 a value of the wrong type, a choice not offered) is an error naming the key
@@ -35,7 +36,8 @@ class ConfigKey:
 
     Attributes:
         dest: The :class:`~shard_cli._options.TrainOptions` field it sets.
-        kind: ``bool`` (a switch), ``int``, ``float`` or ``str``.
+        kind: ``bool`` (a switch), ``int``, ``float``, ``str`` or ``list`` (a
+            repeatable flag: a list of strings).
         choices: The values it may take; ``None``: any of its kind.
     """
 
@@ -50,6 +52,8 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
     for action in parser._actions:
         if isinstance(action, argparse._StoreTrueAction):
             kind: type = bool
+        elif isinstance(action, argparse._AppendAction):
+            kind = list
         elif action.type in (int, float):
             kind = action.type
         else:
@@ -82,6 +86,10 @@ def _value(key: str, spec: ConfigKey, value: object, where: str) -> object:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value  # type: ignore[arg-type]
         what = "a number"
+    elif spec.kind is list:
+        value = [value] if isinstance(value, str) else value
+        ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        what = "a list of strings"
     else:
         ok = isinstance(value, str)
         what = "a string"

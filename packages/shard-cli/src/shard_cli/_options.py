@@ -25,7 +25,9 @@ __all__ = [
     "Precision",
     "Strategy",
     "TrainOptions",
+    "check_finetuning_flags",
     "load_run_config",
+    "normalise_names",
     "resolve_options",
 ]
 
@@ -121,6 +123,17 @@ class TrainOptions:
         compile: ``torch.compile`` each block's forward.
         tensorboard: Also write the metrics as TensorBoard events to
             ``<run_dir>/tensorboard`` (needs the tensorboard package).
+        lora: Rank of the LoRA adapters added to the model (``peft``) before
+            it is sharded; the base weights are frozen and only the adapters
+            train. ``None``: no adapters. See ``_finetune.py``.
+        lora_alpha: LoRA's ``alpha`` (the adapters' output is scaled by
+            ``alpha / rank``); ``None``: ``2 * lora``.
+        lora_targets: Names (or dotted suffixes of names) of the modules
+            that get adapters; ``None``: every linear layer of the model's
+            blocks (``_finetune.default_lora_targets``).
+        freeze: Shell-style patterns (``fnmatch``) over parameter qualified
+            names; matching parameters get ``requires_grad=False`` before
+            sharding (after the LoRA adapters are added).
     """
 
     preset: str = "small"
@@ -159,8 +172,16 @@ class TrainOptions:
     activation_checkpointing: bool = False
     compile: bool = False
     tensorboard: bool = False
+    lora: int | None = None
+    lora_alpha: float | None = None
+    lora_targets: tuple[str, ...] | None = None
+    freeze: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON (config.json), a config file and argparse give lists or a comma-separated
+        # string; the options hold tuples, so that equal runs compare equal.
+        for name in ("lora_targets", "freeze"):
+            object.__setattr__(self, name, normalise_names(name, getattr(self, name)))
         get_preset(self.preset)
         if self.model and self.hf_config:
             raise ValueError("give one model, got --model and --hf-config")
@@ -205,6 +226,12 @@ class TrainOptions:
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"--shard-size must be at least 1, got {self.shard_size}")
         self._check_optimization()
+        check_finetuning_flags(
+            lora=self.lora,
+            lora_alpha=self.lora_alpha,
+            lora_targets=self.lora_targets,
+            freeze=self.freeze,
+        )
 
     def _check_optimization(self) -> None:
         """The learning-rate schedule and clipping flags are in range and consistent."""
@@ -250,6 +277,70 @@ class TrainOptions:
         return cls(**data)
 
 
+def check_finetuning_flags(
+    *,
+    lora: int | None,
+    lora_alpha: float | None,
+    lora_targets: tuple[str, ...] | None,
+    freeze: tuple[str, ...],
+) -> None:
+    """``--lora``, ``--lora-alpha``, ``--lora-targets`` and ``--freeze`` are consistent.
+
+    For ``shard train`` and ``shard plan`` alike; whether patterns and
+    targets match anything is checked against the model (``_finetune.py``),
+    before any rank starts.
+
+    Raises:
+        ValueError: a flag is out of range, or configures adapters without ``--lora``.
+    """
+    if lora is not None and lora < 1:
+        raise ValueError(f"--lora must be at least 1 (the adapters' rank), got {lora}")
+    if lora is None:
+        given = [
+            flag
+            for flag, value in (("--lora-alpha", lora_alpha), ("--lora-targets", lora_targets))
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} configure LoRA adapters, which need --lora RANK; "
+                "add --lora 8, say, or drop them"
+            )
+    if lora_alpha is not None and not lora_alpha > 0:
+        raise ValueError(f"--lora-alpha must be more than 0, got {lora_alpha}")
+    if lora_targets is not None and (not lora_targets or not all(lora_targets)):
+        raise ValueError(
+            "--lora-targets must name modules, separated by commas (q_proj,v_proj), got "
+            f"{','.join(lora_targets)!r}"
+        )
+    if not all(pattern.strip() for pattern in freeze):
+        raise ValueError("--freeze needs a pattern over parameter names, got an empty one")
+
+
+def normalise_names(name: str, value: Any) -> Any:
+    """``lora_targets`` and ``freeze`` as tuples of strings; other values unchanged.
+
+    ``--lora-targets`` is one comma-separated string on the command line and
+    in a config file; ``--freeze`` is repeated (a list) or, in a config file,
+    a list or one string; ``config.json`` stores both as lists.
+    """
+    if name not in ("lora_targets", "freeze") or value is None:
+        return value
+    if isinstance(value, str):
+        items = value.split(",") if name == "lora_targets" else [value]
+        return tuple(item.strip() for item in items)
+    if isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+        return tuple(value)
+    raise ValueError(f"--{name.replace('_', '-')} takes names, got {value!r}")
+
+
+def _shown(value: Any) -> str:
+    """An option's value in an error message: names joined by commas, ``None`` as none."""
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return "none" if value is None else str(value)
+
+
 def load_run_config(run_dir: str | Path) -> TrainOptions:
     """The options stored in ``<run_dir>/config.json``.
 
@@ -284,6 +375,7 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
             checkpoint depends on (the message names it and the stored value).
         FileNotFoundError: ``resume`` without a ``config.json`` to resume.
     """
+    given = {name: normalise_names(name, value) for name, value in given.items()}
     if given.get("resume"):
         stored = load_run_config(given.get("run_dir", TrainOptions.run_dir))
         changes: dict[str, Any] = {"resume": True}
@@ -292,10 +384,11 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
                 changes[name] = value
             elif name not in ("run_dir", "ckpt_dir") and value != getattr(stored, name):
                 flag = "--" + name.replace("_", "-")
+                was = _shown(getattr(stored, name))
                 raise ValueError(
-                    f"--resume: {flag} {value} differs from the interrupted run's "
-                    f"{getattr(stored, name)} (config.json); a resumed run keeps the model, "
-                    f"data, precision and world size of its checkpoint: drop {flag}"
+                    f"--resume: {flag} {_shown(value)} differs from the interrupted run's "
+                    f"{was} (config.json); a resumed run keeps the model, data, precision"
+                    f" and world size of its checkpoint: drop {flag}"
                 )
         if stored.lr_schedule == "cosine" and given.get("steps", stored.steps) != stored.steps:
             raise ValueError(

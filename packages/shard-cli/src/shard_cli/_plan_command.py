@@ -21,9 +21,19 @@ import torch
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks
+from shard_cli._finetune import Finetuning, add_finetuning_flags, finetuned_source
 from shard_cli._format import format_bytes
 from shard_cli._model_source import ModelSource, load_model_source
-from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, Frontend, Precision, Strategy
+from shard_cli._options import (
+    FRONTENDS,
+    PRECISIONS,
+    STRATEGIES,
+    Frontend,
+    Precision,
+    Strategy,
+    check_finetuning_flags,
+    normalise_names,
+)
 from shard_cli._plan import (
     MemoryEstimate,
     PlanConfig,
@@ -163,6 +173,8 @@ def plan_report(
     else:
         note = "activations not estimated: no example input for this model (add them yourself)"
     hybrid = shard_size or _default_shard_size(world)
+    # Frozen parameters (--lora, --freeze): the wrapper keeps the originals (use_orig_params).
+    frozen = any(u.frozen for u in units)
     columns: dict[str, MemoryEstimate] = {}
     for strategy in strategies:
         config = PlanConfig(
@@ -173,6 +185,7 @@ def plan_report(
             precision=precision,
             cpu_offload=cpu_offload,
             flat=flat,
+            orig_params=frozen,
         )
         columns[strategy] = estimate_memory(
             units, config, activations=activations, rank=rank, checkpointed=checkpointed
@@ -182,6 +195,7 @@ def plan_report(
     return {
         "model": source.description,
         "parameters": sum(u.numel for u in units),
+        "trainable": sum(p.numel for u in units for p in u.trainable),
         "wrap_policy": policy_name,
         "frontend": frontend,
         "precision": precision,
@@ -233,9 +247,15 @@ def layout_comparison(
     """
     ideal = unsharded_memory(units).state / world
     result: dict[str, Any] = {"ideal": ideal}
+    frozen = any(u.frozen for u in units)  # the wrapper keeps the originals, as shard train
     for name, frontend, flat in _LAYOUTS:
         config = PlanConfig(
-            frontend=frontend, strategy="full", world=world, precision=precision, flat=flat
+            frontend=frontend,
+            strategy="full",
+            world=world,
+            precision=precision,
+            flat=flat,
+            orig_params=frozen,
         )
         estimate = estimate_memory(units, config, rank=rank)
         result[name] = {
@@ -258,12 +278,21 @@ _ROWS = (
 )
 
 
+def _trainable(report: dict[str, Any]) -> str:
+    """``, N trainable (P%)`` when some parameters are frozen; else nothing."""
+    total, trainable = report["parameters"], report.get("trainable", report["parameters"])
+    if trainable >= total:
+        return ""
+    return f" ({trainable:,} of {total:,} train, {trainable / total:.2%})"
+
+
 def format_plan(report: dict[str, Any]) -> list[str]:
     """The lines ``shard plan`` prints for a report of :func:`plan_report`."""
     r = report
     lines = [
         f"shard plan: {r['model']}",
-        f"  {r['parameters'] / 1e6:.2f} M parameters; {r['frontend']}, {r['precision']}"
+        f"  {r['parameters'] / 1e6:.2f} M parameters{_trainable(r)}; {r['frontend']}, "
+        f"{r['precision']}"
         f"{', cpu offload' if r['cpu_offload'] else ''}; wrap policy {r['wrap_policy']}; "
         f"world size {r['world_size']}",
         "",
@@ -360,6 +389,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="auto (default: blocks for presets, else transformer), blocks, none, or a "
         "registered policy name",
     )
+    add_finetuning_flags(p, alpha=False)
     p.add_argument("--batch", type=int, help="sequences per rank for the activation estimate")
     p.add_argument("--seq", type=int, help="sequence length for the activation estimate")
     p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")
@@ -391,6 +421,18 @@ def run_plan(args: argparse.Namespace) -> int:
                 "n_layers": args.n_layers,
             },
         )
+        finetuning = Finetuning(
+            lora=args.lora,
+            lora_targets=normalise_names("lora_targets", args.lora_targets),
+            freeze=normalise_names("freeze", args.freeze or ()),
+        )
+        check_finetuning_flags(
+            lora=finetuning.lora,
+            lora_alpha=None,
+            lora_targets=finetuning.lora_targets,
+            freeze=finetuning.freeze,
+        )
+        source = finetuned_source(source, finetuning)
         report = plan_report(
             source,
             world=args.world,

@@ -43,6 +43,11 @@ def summary_lines(summary: RunSummary, *, sample: str = "") -> list[str]:
         f"  1 process, unsharded      {_mb(single['params'])} {_mb(single['grads'])} "
         f"{_mb(single['optim'])} {_mb(single['peak'])}"
     )
+    if s.trainable is not None and s.trainable < s.parameters:
+        lines.append(
+            f"  {s.trainable:,} of {s.parameters:,} parameters train "
+            f"({s.trainable / s.parameters:.2%}): gradients and AdamW state for those only"
+        )
     state = s.ranks[0]["params"] + s.ranks[0]["grads"] + s.ranks[0]["optim"]
     single_state = single["params"] + single["grads"] + single["optim"]
     if single_state:

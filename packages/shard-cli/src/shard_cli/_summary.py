@@ -23,6 +23,9 @@ class RunSummary:
         device: The compute device type.
         backend: The process group's backend.
         parameters: Parameters of the model.
+        trainable: Of those, the ones that train (``--lora``/``--freeze``
+            freeze the others); ``None`` in summaries written before it was
+            recorded.
         steps_run: Steps this launch ran (after a resume: since the checkpoint).
         first_loss: The loss of this launch's first step.
         last_loss: The loss of the last step.
@@ -58,3 +61,4 @@ class RunSummary:
     unsharded: dict[str, int] = field(default_factory=dict)
     comm_per_step: dict[str, dict[str, int]] = field(default_factory=dict)
     time: dict[str, float] = field(default_factory=dict)
+    trainable: int | None = None

@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks, find_blocks, wrap_blocks
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
+from shard_cli._finetune import Finetuning, finetuned_source, parameter_counts
 from shard_cli._measure import StepTrace, profile_step
 from shard_cli._model_source import (
     ModelSource,
@@ -231,6 +232,9 @@ def predict(
     """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process.
 
     A user's model whose fake forward fails is estimated without activations.
+    The model is ``source``'s as built, with its frozen parameters
+    (``--lora``/``--freeze``): only the trainable ones count for gradients
+    and AdamW state.
     With ``--activation-checkpointing`` the blocks it applies to (``_blocks.py``)
     keep only their inputs until their backward recomputes the rest.
     """
@@ -266,6 +270,8 @@ def predict(
         shard_size=shard_layout(options.strategy, world, options.shard_size).shard,
         precision=options.precision,
         cpu_offload=options.cpu_offload,
+        # shard_model's use_orig_params: the wrapper's choice when a parameter is frozen.
+        orig_params=any(u.frozen for u in units),
     )
     return (
         estimate_memory(
@@ -309,7 +315,8 @@ def model_vocab(source: ModelSource, model: nn.Module, data_vocab: int, data: st
 
 
 def preflight(options: TrainOptions) -> None:
-    """Before any rank starts: the user's model imports, builds and fits the data.
+    """Before any rank starts: the user's model imports, builds and fits the data, and the
+    fine-tuning flags fit the model.
 
     The model is built on the meta device, so this costs no memory; each rank
     checks again (under ``torchrun`` there is no launcher to do it).
@@ -318,13 +325,27 @@ def preflight(options: TrainOptions) -> None:
         ValueError: the model or the data cannot be loaded, or the data's
             vocabulary is larger than the model's (the message says which).
     """
-    if not (options.model or options.hf_config):
+    if not (options.model or options.hf_config or Finetuning.of(options).active):
         return
     corpus = load_data(options.data, options.data_dtype)
-    source = load_model_source(model=options.model, hf_config=options.hf_config)
+    source = training_source(options, corpus.vocab_size)
     with torch.device("meta"):
         model = source.build()
     model_vocab(source, model, corpus.vocab_size, options.data)
+
+
+def training_source(options: TrainOptions, data_vocab: int) -> ModelSource:
+    """The model ``options`` train: the preset's GPT over the data's vocabulary, or the user's,
+    with the fine-tuning flags applied (``_finetune.py``).
+
+    Raises:
+        ValueError: the model cannot be loaded, or a fine-tuning flag does not fit it.
+    """
+    if options.model or options.hf_config:
+        source = load_model_source(model=options.model, hf_config=options.hf_config)
+    else:
+        source = gpt_source(model_config(options, data_vocab), options.preset)
+    return finetuned_source(source, Finetuning.of(options))
 
 
 class _Run:
@@ -343,11 +364,10 @@ class _Run:
         self.run_dir = Path(options.run_dir)
         self.corpus: CharCorpus | TokenFile = load_data(options.data, options.data_dtype)
         self.config: GPTConfig | None = None
-        if options.model or options.hf_config:
-            self.source = load_model_source(model=options.model, hf_config=options.hf_config)
-        else:
+        if not (options.model or options.hf_config):
             self.config = model_config(options, self.corpus.vocab_size)
-            self.source = gpt_source(self.config, options.preset)
+        # With --lora/--freeze the source's model comes adapted and frozen (_finetune.py).
+        self.source = training_source(options, self.corpus.vocab_size)
         self._check_vocab()
         torch.manual_seed(options.seed)
         # A transformers model starts on the meta device, filled shard by shard after
@@ -361,7 +381,7 @@ class _Run:
         self.vocab_size = self._model_vocab(model)
         self.policy = wrap_policy_name(options, self.source)
         self._wrap_blocks(model)
-        self.parameters = sum(p.numel() for p in model.parameters())
+        self.trainable, self.parameters = parameter_counts(model)
         layout = shard_layout(options.strategy, self.world, options.shard_size)
         self.model, self.mesh = shard_model(
             model,
@@ -372,6 +392,7 @@ class _Run:
             cpu_offload=options.cpu_offload,
             policy=resolve_policy(self.policy),
             device=self.device,
+            use_orig_params=self.trainable < self.parameters,
         )
         materialise_sharded(
             self.model,
@@ -380,7 +401,11 @@ class _Run:
             seed=options.seed,
             cpu_offload=options.cpu_offload,
         )
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=options.lr)
+        # Only what trains: frozen parameters would get no state anyway (no gradient), but
+        # an optimizer that never sees them cannot step them by mistake.
+        self.optim = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=options.lr
+        )
         self.metrics_writer: MetricsWriter | None = None
         self.start = 0
         self.current_step = 0
@@ -640,11 +665,18 @@ class _Run:
         resumed = f", resuming at step {first}" if o.resume else ""
         where = f"{self.world} ranks ({self.backend}, {self.device.type})"
         return (
-            f"shard train: {self.source.description} ({self.parameters / 1e6:.2f} M parameters) on "
+            f"shard train: {self.source.description} ({self._parameters_text()}) on "
             f"{where}, {o.frontend}, strategy {o.strategy}, {o.precision}"
             f"{', cpu offload' if o.cpu_offload else ''}{self._training_banner()}{resumed}\n"
             f"run directory: {o.run_dir}  (checkpoint: {o.checkpoint_path})"
         )
+
+    def _parameters_text(self) -> str:
+        """How many parameters the model has, and how many of them train when not all do."""
+        text = f"{self.parameters / 1e6:.2f} M parameters"
+        if self.trainable < self.parameters:
+            text += f", {self.trainable / self.parameters:.2%} of them trainable"
+        return text
 
     def _training_banner(self) -> str:
         """The non-default training options, for the banner."""
@@ -705,6 +737,7 @@ class _Run:
             device=self.device.type,
             backend=self.backend,
             parameters=self.parameters,
+            trainable=self.trainable,
             steps_run=len(losses),
             first_loss=losses[0],
             last_loss=losses[-1],

@@ -7,6 +7,11 @@ end, strategy or world size. A checkpoint written with ``--frontend
 wrapper`` therefore resumes under ``fully_shard`` and the reverse, and with
 another strategy (``--resume`` allows changing them).
 
+With ``--lora``/``--freeze`` the model part holds every parameter, frozen
+ones included, and the optimizer part the trainable ones only (the optimizer
+is given nothing else); see [Note: what a checkpoint holds when fine-tuning]
+in ``_finetune.py``.
+
 Each checkpoint also records the launch that wrote it (``train.launch``, see
 :func:`launch_id`): after a restart, a rank resumes only from a checkpoint
 of its own launch, never from one an earlier run left in the same directory.
