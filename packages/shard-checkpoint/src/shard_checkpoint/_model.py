@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
@@ -366,12 +367,17 @@ def state_dict_name(model: nn.Module, name: str, fqn_modifiers: str) -> str:
     A module whose state-dict hooks save a child's tensors under its own
     prefix declares it with the method named ``fqn_modifiers`` (see
     ``StateDictOptions.dsd_fqn_modifiers``): that child's name is left out.
+    So is the wrapped module of an activation-checkpointing wrapper
+    (``checkpoint_wrapper``), whose state-dict hooks do the same.
     """
     kept: list[str] = []
     module: Any = model
     for part in name.split("."):
         renames = getattr(module, fqn_modifiers, None) if isinstance(module, nn.Module) else None
-        if not (callable(renames) and part in renames().values()):
+        hidden = isinstance(module, ActivationWrapper) and getattr(module, part, None) is getattr(
+            module, "_checkpoint_wrapped_module", None
+        )
+        if not (hidden or (callable(renames) and part in renames().values())):
             kept.append(part)
         module = getattr(module, part, None)
     return clean_fqn(".".join(kept))
