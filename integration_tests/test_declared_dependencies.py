@@ -43,6 +43,7 @@ MODULE_DISTRIBUTIONS = {
     "matplotlib": "matplotlib",
     "numpy": "numpy",
     "packaging": "packaging",
+    "peft": "peft",
     "pluggy": "pluggy",
     "pytest": "pytest",
     "_pytest": "pytest",
