@@ -1,0 +1,397 @@
+"""One training configuration of the differential tester, and the space they are drawn from.
+
+[Note: Drawing configurations]
+A :class:`Config` is a frozen dataclass of plain values (strings, ints,
+bools, tuples), so that it pickles to the ranks, prints as a Python literal
+(``repr``) that a standalone script can paste, and compares and hashes.
+:func:`draw_config` builds one from a :class:`Pick`, a function that picks
+one of a sequence of options. Hypothesis drives it with
+``lambda options: draw(st.sampled_from(options))`` (the tests and
+``tools/fuzz`` do), so that its shrinking works on the choices and so on
+the configuration; ``random.Random(seed).choice`` drives it without
+hypothesis. shard-testing does not depend on hypothesis: the space is
+described here, the adapter lives with whoever brings hypothesis.
+
+Options are listed simplest first, because hypothesis shrinks a
+``sampled_from`` towards its first element: a shrunk failure keeps only the
+dimensions that matter, the others fall back to fp32, one block, no
+checkpointing, no offload and so on.
+
+Each choice depends only on choices drawn before it, so that the generator
+can keep to what PyTorch accepts (a ``reshard_after_forward`` int divides
+the shard group; HYBRID_SHARD needs a 2-D mesh) while still producing, on
+purpose, a few combinations PyTorch refuses (FSDP1 with
+``use_orig_params=False`` and mixed ``requires_grad`` in one unit): for those
+the comparison is that both libraries raise the same exception type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal, Protocol, TypeVar
+
+__all__ = [
+    "BlockSpec",
+    "Config",
+    "Pick",
+    "Toggle",
+    "draw_config",
+    "random_pick",
+]
+
+T = TypeVar("T")
+
+FrontEnd = Literal["fully_shard", "wrapper"]
+BlockKind = Literal["mlp", "lora"]
+Checkpoint = Literal["none", "inner", "wrapper"]
+Precision = Literal["fp32", "bf16", "bf16-reduce-fp32", "bf16-extra"]
+Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+Prefetch = Literal["none", "explicit"]
+BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
+Optimizer = Literal["sgd", "adamw"]
+Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
+
+
+class Pick(Protocol):
+    """Picks one element of a non-empty sequence; see [Note: Drawing configurations]."""
+
+    def __call__(self, options: Sequence[T], /) -> T: ...
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One residual block of the model (see ``_models.Block``).
+
+    Attributes:
+        kind: ``"mlp"``: LayerNorm, Linear up, tanh, Linear down.
+            ``"lora"``: the up projection is a frozen base Linear plus a
+            trainable low-rank pair ``b(a(x))`` in the same unit.
+        checkpoint: ``"inner"``: the block's body runs under
+            ``torch.utils.checkpoint`` (non-reentrant); ``"wrapper"``: the
+            block is wrapped in PyTorch's ``checkpoint_wrapper`` before
+            sharding; ``"none"``.
+        side: the block holds a side Linear that only even steps use, so that
+            its parameters get no gradient on odd steps.
+    """
+
+    kind: BlockKind = "mlp"
+    checkpoint: Checkpoint = "none"
+    side: bool = False
+
+
+@dataclass(frozen=True)
+class Toggle:
+    """``requires_grad_(requires_grad)`` on the parameter ``name`` after step ``after_step``.
+
+    ``name`` is the clean name (no wrapper prefixes), as in the unwrapped model.
+    """
+
+    after_step: int
+    name: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class Config:
+    """One training run that PyTorch's FSDP and shard must agree on, step by step.
+
+    The defaults are the simplest run: ``fully_shard`` on 2 ranks, one MLP
+    block, fp32, SGD, two steps. See ``_run.run_impl`` for how each field is
+    applied, and :meth:`to_script` for a standalone reproduction.
+    """
+
+    front_end: FrontEnd = "fully_shard"
+    world_size: int = 2
+    mesh: tuple[int, ...] = (2,)
+    """``(world,)`` or ``(replicate, shard)`` (named ``"replicate"``, ``"shard"``)."""
+    width: int = 8
+    batch: int = 2
+    blocks: tuple[BlockSpec, ...] = (BlockSpec(),)
+    tied: bool = False
+    """The head's weight is the embedding's (both in the root unit)."""
+    shard_blocks: bool = True
+    """Each block is a unit of its own; otherwise the root unit holds everything."""
+    frozen: tuple[str, ...] = ()
+    """Clean names of parameters frozen before sharding (besides LoRA bases)."""
+    toggles: tuple[Toggle, ...] = ()
+    precision: Precision = "fp32"
+    """``"bf16"``: bf16 parameters, reduction in bf16; ``"bf16-reduce-fp32"``: reduction in
+    fp32; ``"bf16-extra"``: bf16 reduction plus fp32 outputs (``fully_shard``'s
+    ``output_dtype``) or bf16 gradients kept (the wrapper's ``keep_low_precision_grads``)."""
+    reshard_after_forward: bool | int = True
+    """``fully_shard`` only: bool, or the size of the group to reshard to."""
+    prefetch: Prefetch = "none"
+    """``fully_shard`` only: explicit forward and backward prefetch between blocks."""
+    strategy: Strategy = "FULL_SHARD"
+    """Wrapper only."""
+    use_orig_params: bool = True
+    """Wrapper only."""
+    backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
+    """Wrapper only."""
+    forward_prefetch: bool = False
+    """Wrapper only."""
+    offload: bool = False
+    optimizer: Optimizer = "sgd"
+    steps: int = 2
+    microbatches: int = 1
+    """Gradient accumulation: all but the last micro-batch run without gradient sync."""
+    clip: float | None = None
+    seed: int = 0
+    freeze: Freeze = field(default="none", compare=False)
+    """How ``frozen`` was chosen (for per-dimension counts only)."""
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether compute runs in bf16, so values compare within bf16 rounding."""
+        return self.precision != "fp32"
+
+    def to_script(self) -> str:
+        """A standalone Python script that runs this configuration under both libraries.
+
+        It spawns ``world_size`` gloo processes on localhost (no torchrun),
+        runs PyTorch then shard on the same seeds and prints the first
+        discrepancy, or that there is none; see ``_script.render``.
+        """
+        from shard_testing.differential._script import render
+
+        return render(self)
+
+    def dimensions(self) -> dict[str, str]:
+        """The configuration as ``dimension -> value`` strings, for per-dimension counts."""
+        out = {
+            "front_end": self.front_end,
+            "world_size": str(self.world_size),
+            "mesh": "2-D" if len(self.mesh) == 2 else "1-D",
+            "blocks": str(len(self.blocks)),
+            "tied": str(self.tied),
+            "shard_blocks": str(self.shard_blocks),
+            "freeze": self.freeze,
+            "toggles": "+".join(
+                sorted({"unfreeze" if t.requires_grad else "freeze" for t in self.toggles})
+            )
+            or "none",
+            "precision": self.precision,
+            "offload": str(self.offload),
+            "optimizer": self.optimizer,
+            "steps": str(self.steps),
+            "microbatches": str(self.microbatches),
+            "clip": str(self.clip is not None),
+        }
+        for spec in self.blocks:
+            out[f"block.{spec.kind}"] = "yes"
+            out[f"checkpoint.{spec.checkpoint}"] = "yes"
+            if spec.side:
+                out["unused_side_branch"] = "yes"
+        if self.front_end == "fully_shard":
+            out["reshard_after_forward"] = str(self.reshard_after_forward)
+            out["prefetch"] = self.prefetch
+        else:
+            out["strategy"] = self.strategy
+            out["use_orig_params"] = str(self.use_orig_params)
+            out["backward_prefetch"] = self.backward_prefetch
+            out["forward_prefetch"] = str(self.forward_prefetch)
+        return out
+
+    def brief(self) -> str:
+        """Like ``repr``, but only the fields that differ from the defaults (still valid Python)."""
+        default = Config()
+        parts = [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return f"Config({', '.join(parts)})"
+
+    def as_dict(self) -> dict[str, object]:
+        """Plain values (for a JSON report)."""
+        return asdict(self)
+
+
+def parameter_names(config: Config) -> list[str]:
+    """The clean names of the model's parameters, in ``named_parameters`` order.
+
+    Tied weights appear once (under the embedding), as ``named_parameters``
+    lists them. Kept in step with ``_models.Net`` by a unit test.
+    """
+    names = ["embed.weight"]
+    for index, spec in enumerate(config.blocks):
+        prefix = f"blocks.{index}."
+        names += [prefix + "norm.weight", prefix + "norm.bias"]
+        if spec.kind == "lora":
+            names += [prefix + "up.base.weight", prefix + "up.base.bias"]
+            names += [prefix + "up.a.weight", prefix + "up.b.weight"]
+        else:
+            names += [prefix + "up.weight", prefix + "up.bias"]
+        names += [prefix + "down.weight", prefix + "down.bias"]
+        if spec.side:
+            names += [prefix + "side.weight", prefix + "side.bias"]
+    names += ["norm.weight", "norm.bias"]
+    if not config.tied:
+        names.append("head.weight")
+    return names
+
+
+def _unit_of(name: str, config: Config) -> str:
+    """The unit a parameter lands in: ``blocks.<i>`` or the root (``""``)."""
+    if config.shard_blocks and name.startswith("blocks."):
+        return ".".join(name.split(".")[:2])
+    return ""
+
+
+def _subset(pick: Pick, items: Sequence[str]) -> tuple[str, ...]:
+    return tuple(item for item in items if pick((False, True)))
+
+
+def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
+    """One configuration, every choice made by ``pick``; see [Note: Drawing configurations].
+
+    ``world_sizes`` lists the world sizes allowed (the first is what a
+    shrunk configuration falls back to).
+    """
+    front_end: FrontEnd = pick(("fully_shard", "wrapper"))
+    world = pick(tuple(world_sizes))
+    mesh: tuple[int, ...] = (world,)
+    strategy: Strategy = "FULL_SHARD"
+    use_orig_params = True
+    if front_end == "wrapper":
+        use_orig_params = pick((True, False))
+        strategy = pick(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
+        if strategy == "HYBRID_SHARD":
+            mesh = _two_dim(pick, world)
+    elif pick((False, True)):
+        mesh = _two_dim(pick, world)
+    width = pick((8, 16))
+    batch = pick((2, 4))
+    block_count = pick((1, 2, 3))
+    kinds: tuple[BlockKind, ...] = ("mlp", "lora")
+    blocks = tuple(
+        BlockSpec(
+            kind=pick(kinds),
+            checkpoint=pick(("none", "inner", "wrapper")),
+            side=pick((False, True)),
+        )
+        for _ in range(block_count)
+    )
+    tied = pick((False, True))
+    shard_blocks = pick((True, False))
+    base = Config(
+        front_end=front_end,
+        world_size=world,
+        mesh=mesh,
+        width=width,
+        batch=batch,
+        blocks=blocks,
+        tied=tied,
+        shard_blocks=shard_blocks,
+    )
+    names = parameter_names(base)
+    freeze: Freeze = pick(("none", "adapters", "bias-norm", "units", "subset"))
+    frozen = _frozen(pick, freeze, names, base)
+    steps = pick((2, 3, 4))
+    toggles: tuple[Toggle, ...] = ()
+    # Toggling requires_grad on FSDP1's flat parameters is not a thing users do.
+    if not (front_end == "wrapper" and not use_orig_params) and pick((False, True)):
+        toggles = _toggles(pick, names, frozen, steps)
+    precision: Precision = pick(("fp32", "bf16", "bf16-reduce-fp32", "bf16-extra"))
+    shard_size = mesh[-1]
+    reshard: bool | int = True
+    prefetch: Prefetch = "none"
+    backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
+    forward_prefetch = False
+    if front_end == "fully_shard":
+        divisors = tuple(d for d in range(1, shard_size + 1) if shard_size % d == 0)
+        reshard = pick((True, False, *divisors))
+        prefetch = pick(("none", "explicit"))
+    else:
+        backward_prefetch = pick(("BACKWARD_PRE", "BACKWARD_POST", "none"))
+        forward_prefetch = pick((False, True))
+    return Config(
+        front_end=front_end,
+        world_size=world,
+        mesh=mesh,
+        width=width,
+        batch=batch,
+        blocks=blocks,
+        tied=tied,
+        shard_blocks=shard_blocks,
+        frozen=frozen,
+        toggles=toggles,
+        precision=precision,
+        reshard_after_forward=reshard,
+        prefetch=prefetch,
+        strategy=strategy,
+        use_orig_params=use_orig_params,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        # PyTorch's FSDP1 offload needs an accelerator (it raises on a CPU-only host).
+        offload=pick((False, True)) if front_end == "fully_shard" else False,
+        optimizer=pick(("sgd", "adamw")),
+        steps=steps,
+        microbatches=pick((1, 2)),
+        clip=pick((None, 0.5)),
+        seed=pick(tuple(range(4))),
+        freeze=freeze,
+    )
+
+
+def _toggles(
+    pick: Pick, names: Sequence[str], frozen: Sequence[str], steps: int
+) -> tuple[Toggle, ...]:
+    """One to three ``requires_grad_`` changes between steps, freezing or unfreezing.
+
+    An unfreeze picks among the parameters frozen before sharding (LoRA bases
+    included), a freeze among the trainable ones, so that both directions
+    change something.
+    """
+    frozen_now = set(frozen) | {n for n in names if ".up.base." in n}
+    toggles: list[Toggle] = []
+    for _ in range(pick((1, 2, 3))):
+        after_step = pick(tuple(range(steps - 1)))
+        unfreeze = pick((False, True))
+        candidates = sorted(frozen_now if unfreeze else set(names) - frozen_now, key=names.index)
+        if not candidates:
+            unfreeze = not unfreeze
+            candidates = sorted(
+                frozen_now if unfreeze else set(names) - frozen_now, key=names.index
+            )
+        name = pick(candidates)
+        toggles.append(Toggle(after_step=after_step, name=name, requires_grad=unfreeze))
+        frozen_now.symmetric_difference_update({name})
+    return tuple(sorted(toggles, key=lambda t: t.after_step))
+
+
+def _two_dim(pick: Pick, world: int) -> tuple[int, ...]:
+    """A ``(replicate, shard)`` shape of ``world`` ranks; ``(2, world // 2)`` first."""
+    shapes = [(2, world // 2)] if world % 2 == 0 else []
+    shapes += [(r, world // r) for r in range(1, world + 1) if world % r == 0 and r != 2]
+    return pick(tuple(shapes))
+
+
+def _frozen(pick: Pick, freeze: Freeze, names: Sequence[str], config: Config) -> tuple[str, ...]:
+    if freeze == "adapters":  # LoRA fine-tuning: only the low-rank pairs and the head train
+        head = "embed.weight" if config.tied else "head.weight"
+        return tuple(n for n in names if ".up.a." not in n and ".up.b." not in n and n != head)
+    if freeze == "bias-norm":  # BitFit-style: biases and norms train
+        return tuple(
+            n for n in names if not (n.endswith(".bias") or ".norm." in n or n.startswith("norm."))
+        )
+    if freeze == "units":  # whole units frozen: valid for FSDP1's flat parameters
+        units = sorted({_unit_of(n, config) for n in names})
+        chosen = set(_subset(pick, units))
+        return tuple(n for n in names if _unit_of(n, config) in chosen)
+    if freeze == "subset":
+        return _subset(pick, names)
+    return ()
+
+
+def random_pick(seed: int) -> Pick:
+    """A :class:`Pick` from ``random.Random(seed)``: configurations without hypothesis."""
+    import random
+
+    rng = random.Random(seed)
+
+    def pick(options: Sequence[T], /) -> T:
+        return options[rng.randrange(len(options))]
+
+    return pick

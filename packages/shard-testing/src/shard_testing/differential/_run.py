@@ -1,0 +1,344 @@
+"""Running a configuration under one library, and under both on the ranks of a pool.
+
+[Note: One rank function for both libraries]
+:func:`compare_on_rank` runs PyTorch's FSDP and then shard inside the same
+call on every rank, each from ``torch.manual_seed(config.seed)``, and
+compares the two traces right there: the pool round trip (pickling the
+task, waking every rank) is paid once per configuration, and no tensor
+travels back, only an :class:`Outcome` of strings. The two runs share the
+rank's process group and its cached device meshes (building a 2-D mesh
+creates gloo subgroups, which are slow to create and never freed, so a
+fuzzing session that builds one per configuration would pile them up).
+
+The user code below is written once against ``fsdp_namespace(impl)``: the
+differential principle is that nothing but the import differs. The only
+exception is the call that applies FSDP1's own clipping
+(``model.clip_grad_norm_``) versus ``torch.nn.utils.clip_grad_norm_`` on
+FSDP2's DTensor gradients, which is a front-end difference, the same under
+both libraries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from shard_testing.compat import Impl, fsdp_namespace
+from shard_testing.differential._compare import Outcome, Snapshot, Trace, compare_traces
+from shard_testing.differential._config import Config
+from shard_testing.differential._models import Net, batch_of
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from shard_testing import RankPool
+
+__all__ = ["compare_on_rank", "run_config", "run_impl"]
+
+SGD_LR = 0.1
+ADAMW_LR = 0.01
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+# (id of the default process group, mesh shape) -> mesh; see [Note: One rank function ...].
+_MESHES: dict[tuple[int, tuple[int, ...]], DeviceMesh] = {}
+
+
+def run_config(
+    pool: RankPool, config: Config, *, bitwise: bool = False, timeout: float | None = None
+) -> list[Outcome]:
+    """Run ``config`` under both libraries on ``config.world_size`` ranks of ``pool``.
+
+    Returns each rank's :class:`Outcome`. Raises what ``pool.run`` raises
+    (``RankFailure`` when a rank crashed or hung in a collective).
+    ``bitwise``: see :func:`compare_on_rank`.
+    """
+    return pool.run(compare_on_rank, config.world_size, config, bitwise, timeout=timeout)
+
+
+def compare_on_rank(config: Config, bitwise: bool = False) -> Outcome:
+    """Train ``config`` with PyTorch, then with shard, on this rank; compare the traces.
+
+    Call on every rank of an initialised process group of ``config.world_size``
+    ranks. Warnings are silenced: the libraries word theirs differently and
+    pytest's ``filterwarnings = error`` would turn them into failures.
+
+    ``bitwise`` compares mixed-precision runs bitwise too: shard runs the same
+    bf16 operations in the same order as PyTorch wherever it is right, so a
+    difference within bf16 rounding is still a finding (a gradient accumulated
+    in bf16 instead of fp32, say), which AdamW's first step (``lr * sign(g)``)
+    can turn into a parameter off by ``2 * lr``.
+    """
+    if dist.get_world_size() != config.world_size:
+        raise ValueError(
+            f"the configuration needs {config.world_size} ranks, the process group has "
+            f"{dist.get_world_size()}"
+        )
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = run_impl(config, "torch")
+        dist.barrier()
+        actual = run_impl(config, "shard")
+        dist.barrier()
+    rank = dist.get_rank()
+    found, total = compare_traces(
+        expected, actual, rank=rank, exact=bitwise or not config.mixed_precision
+    )
+    if total:
+        status = "differs"
+    elif expected.error is not None:
+        step, phase, kind, _ = expected.error
+        status = f"both raised {kind} in {phase}" + (f" at step {step}" if step >= 0 else "")
+    else:
+        status = "ok"
+    return Outcome(rank, status, tuple(found), total, time.perf_counter() - start)
+
+
+def run_impl(config: Config, impl: Impl) -> Trace:
+    """Train ``config`` under ``impl`` on this rank, recording a snapshot after every step.
+
+    Never raises for what the library raises: the exception ends the run
+    and is recorded in ``Trace.error`` with the step and the phase.
+    """
+    trace = Trace()
+    step, phase = -1, "build"
+    try:
+        model, optim = _build(config, impl)
+        trace.names = [name for name, _ in model.named_parameters()]
+        for step in range(config.steps):
+            snapshot = Snapshot()
+            phase = "requires_grad_"
+            _toggle(model, config, step)
+            for micro in range(config.microbatches):
+                last = micro == config.microbatches - 1
+                tokens, targets = batch_of(config, step, micro, dist.get_rank())
+                phase = "forward"
+                with _gradient_sync(model, config, last):
+                    logits = model(tokens, step % 2 == 0)
+                    loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                    loss = loss / config.microbatches
+                    phase = "backward"
+                    loss.backward()  # type: ignore[no-untyped-call]
+                snapshot.losses.append(_local(loss))
+            if config.clip is not None:
+                phase = "clip_grad_norm_"
+                snapshot.grad_norm = _local(_clip(model, config))
+            phase = "snapshot"
+            snapshot.grads = {
+                _clean(n): None if p.grad is None else _local(p.grad)
+                for n, p in model.named_parameters()
+            }
+            phase = "optimizer step"
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            phase = "snapshot"
+            snapshot.params = {_clean(n): _local(p) for n, p in model.named_parameters()}
+            snapshot.optim = _optim_state(model, optim)
+            trace.steps.append(snapshot)
+    except Exception as exc:
+        kind = next(c.__name__ for c in type(exc).__mro__ if c.__module__ == "builtins")
+        trace.error = (step if phase != "build" else -1, phase, kind, _describe(exc))
+    return trace
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message (at package/file.py:line in function)``: where a fix would start.
+
+    The frame named is the innermost one in ``shard_*`` or ``torch`` code, so
+    that a report points into the library rather than into the tester.
+    """
+    message = str(exc).split("\n")[0]
+    if len(message) > 300:
+        message = message[:300] + " ..."
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if "/shard_" in f.filename or "/torch/" in f.filename]
+    where = ""
+    if inside:
+        frame = inside[-1]
+        path = "/".join(frame.filename.split("/")[-2:])
+        where = f" (at {path}:{frame.lineno} in {frame.name})"
+    return f"{type(exc).__name__}: {message}{where}"
+
+
+def mesh_for(config: Config) -> DeviceMesh:
+    """The CPU mesh of ``config`` over the default process group, built once per shape."""
+    key = (id(dist.group.WORLD), config.mesh)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        names = ("replicate", "shard") if len(config.mesh) == 2 else None
+        mesh = init_device_mesh("cpu", config.mesh, mesh_dim_names=names)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def _build(config: Config, impl: Impl) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The sharded model and its optimizer: the user code a drop-in must accept unchanged."""
+    ns = fsdp_namespace(impl)
+    torch.manual_seed(config.seed)
+    model = Net(config)
+    for name, param in model.named_parameters():
+        if name in config.frozen:
+            param.requires_grad_(False)
+    sharded = _fully_shard(ns, model, config) if config.front_end == "fully_shard" else None
+    if sharded is None:
+        sharded = _wrap(ns, model, config)
+    params = list(sharded.parameters())
+    optim: torch.optim.Optimizer
+    if config.optimizer == "sgd":
+        optim = torch.optim.SGD(params, lr=SGD_LR, momentum=0.9)
+    else:
+        optim = torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=0.1)
+    return sharded, optim
+
+
+def _checkpoint_wrapper(module: nn.Module) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped: nn.Module = checkpoint_wrapper(module)
+    return wrapped
+
+
+def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
+    bf16 = torch.bfloat16
+    policy = {
+        "fp32": ns.MixedPrecisionPolicy(),
+        "bf16": ns.MixedPrecisionPolicy(param_dtype=bf16),
+        "bf16-reduce-fp32": ns.MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32),
+        "bf16-extra": ns.MixedPrecisionPolicy(
+            param_dtype=bf16, reduce_dtype=bf16, output_dtype=torch.float32
+        ),
+    }[config.precision]
+    offload = ns.CPUOffloadPolicy(pin_memory=False) if config.offload else ns.OffloadPolicy()
+    kwargs: dict[str, Any] = {
+        "mesh": mesh_for(config),
+        "reshard_after_forward": config.reshard_after_forward,
+        "mp_policy": policy,
+        "offload_policy": offload,
+    }
+    units: list[nn.Module] = []
+    for index, spec in enumerate(config.blocks):
+        block: nn.Module = model.blocks[index]
+        if spec.checkpoint == "wrapper":
+            block = _checkpoint_wrapper(block)
+            model.blocks[index] = block
+        if config.shard_blocks:
+            ns.fully_shard(block, **kwargs)
+            units.append(block)
+    ns.fully_shard(model, **kwargs)
+    if config.prefetch == "explicit" and units:
+        root: Any = model
+        root.set_modules_to_forward_prefetch(units[:1])
+        for index, unit in enumerate(units):
+            unit_: Any = unit
+            unit_.set_modules_to_forward_prefetch(units[index + 1 : index + 2])
+            unit_.set_modules_to_backward_prefetch(units[max(0, index - 1) : index])
+    return model
+
+
+def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
+    bf16 = torch.bfloat16
+    precision = {
+        "fp32": None,
+        "bf16": ns.MixedPrecision(param_dtype=bf16),
+        "bf16-reduce-fp32": ns.MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float32),
+        "bf16-extra": ns.MixedPrecision(
+            param_dtype=bf16, reduce_dtype=bf16, keep_low_precision_grads=True
+        ),
+    }[config.precision]
+    kwargs: dict[str, Any] = {
+        "sharding_strategy": ns.ShardingStrategy[config.strategy],
+        "use_orig_params": config.use_orig_params,
+        "mixed_precision": precision,
+        "cpu_offload": ns.CPUOffload(offload_params=True) if config.offload else None,
+        "backward_prefetch": None
+        if config.backward_prefetch == "none"
+        else ns.BackwardPrefetch[config.backward_prefetch],
+        "forward_prefetch": config.forward_prefetch,
+        "device_id": torch.device("cpu"),
+    }
+    if len(config.mesh) == 2:
+        kwargs["device_mesh"] = mesh_for(config)
+    for index, spec in enumerate(config.blocks):
+        block: nn.Module = model.blocks[index]
+        if config.shard_blocks:
+            block = ns.FullyShardedDataParallel(block, **kwargs)
+        if spec.checkpoint == "wrapper":  # what apply_activation_checkpointing does after wrapping
+            block = _checkpoint_wrapper(block)
+        model.blocks[index] = block
+    wrapped: nn.Module = ns.FullyShardedDataParallel(model, **kwargs)
+    return wrapped
+
+
+def _clean(name: str) -> str:
+    """A parameter name without the wrappers' prefixes: the unwrapped model's name."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _toggle(model: nn.Module, config: Config, step: int) -> None:
+    """Apply the toggles due before ``step`` (those after the previous step)."""
+    due = [t for t in config.toggles if t.after_step == step - 1]
+    if not due:
+        return
+    params = {_clean(n): p for n, p in model.named_parameters()}
+    for toggle in due:
+        params[toggle.name].requires_grad_(toggle.requires_grad)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, config: Config, sync: bool) -> Iterator[None]:
+    """FSDP2's ``set_requires_gradient_sync`` or FSDP1's ``no_sync()`` for accumulation."""
+    unit: Any = model
+    if config.front_end == "fully_shard":
+        if config.microbatches > 1:
+            unit.set_requires_gradient_sync(sync)
+        yield
+    elif sync:
+        yield
+    else:
+        with unit.no_sync():
+            yield
+
+
+def _clip(model: nn.Module, config: Config) -> torch.Tensor:
+    assert config.clip is not None
+    if config.front_end == "wrapper":
+        unit: Any = model
+        norm: torch.Tensor = unit.clip_grad_norm_(config.clip)
+        return norm
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy of this rank's part: a DTensor's local shard, a scalar norm whole."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor() if tensor.dim() == 0 else tensor.to_local()
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _optim_state(
+    model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, dict[str, torch.Tensor | float]]:
+    names = {id(p): _clean(n) for n, p in model.named_parameters()}
+    out: dict[str, dict[str, torch.Tensor | float]] = {}
+    for group in optim.param_groups:
+        for param in group["params"]:
+            state = optim.state.get(param)
+            if not state:
+                continue
+            out[names.get(id(param), f"<unnamed {tuple(param.shape)}>")] = {
+                key: _local(value) if isinstance(value, torch.Tensor) else float(value)
+                for key, value in state.items()
+            }
+    return out

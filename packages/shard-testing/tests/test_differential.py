@@ -1,0 +1,187 @@
+"""The differential tester on a fixed sample: shard trains exactly as PyTorch's FSDP does.
+
+Hypothesis draws the configurations (``derandomize=True``: the same sample on
+every run and machine) and shrinks a failing one; the failure message ends
+with the shrunk configuration as a standalone script. Configurations that
+run into a known, reported bug (``KNOWN_BUGS``) are skipped; see
+[Note: Known bugs] in ``shard_testing/differential/_known.py``. The explicit
+``@example`` cases pin the dimensions the issue lists, whatever the draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
+
+from shard_testing import RankPool
+from shard_testing.differential import (
+    BlockSpec,
+    Config,
+    Toggle,
+    draw_config,
+    first_discrepancy,
+    known_bugs_in,
+    run_config,
+)
+
+T = TypeVar("T")
+
+
+class _Sampled:
+    """The ``Pick`` hypothesis's ``draw`` makes: ``sampled_from`` shrinks to the first option."""
+
+    def __init__(self, draw: Any) -> None:
+        self._draw = draw
+
+    def __call__(self, options: Sequence[T], /) -> T:
+        value: T = self._draw(st.sampled_from(options))
+        return value
+
+
+def configs(world_sizes: Sequence[int]) -> st.SearchStrategy[Config]:
+    """Configurations on ``world_sizes`` ranks, shrinking towards the simplest."""
+
+    @st.composite
+    def build(draw: Any) -> Config:
+        return draw_config(_Sampled(draw), world_sizes=tuple(world_sizes))
+
+    strategy: st.SearchStrategy[Config] = build()
+    return strategy
+
+
+def assert_agrees(pool: RankPool, config: Config) -> None:
+    """Run ``config`` under both libraries; fail with every rank's report and the script."""
+    outcomes = run_config(pool, config)
+    first = first_discrepancy(outcomes)
+    if first is not None:
+        reports = "\n".join(outcome.report() for outcome in outcomes)
+        raise AssertionError(
+            f"shard differs from PyTorch: {first}\n{reports}\n"
+            f"configuration: {config.brief()}\n"
+            f"standalone reproduction (python <file>):\n{config.to_script()}"
+        )
+
+
+SAMPLE = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+LORA = BlockSpec(kind="lora")
+
+
+@settings(SAMPLE, max_examples=60)
+@given(configs((2,)))
+# requires_grad_ after sharding, both directions, in a LoRA unit and a plain one
+@example(
+    Config(
+        blocks=(LORA, BlockSpec()),
+        steps=3,
+        toggles=(
+            Toggle(0, "blocks.0.up.base.weight", True),
+            Toggle(0, "blocks.1.down.weight", False),
+            Toggle(1, "blocks.1.down.weight", True),
+        ),
+    )
+)
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(LORA,),
+        steps=3,
+        toggles=(
+            Toggle(0, "blocks.0.up.base.bias", True),
+            Toggle(1, "blocks.0.up.a.weight", False),
+        ),
+    )
+)
+# LoRA fine-tuning and bias/norm-only training, frozen before sharding
+@example(Config(blocks=(LORA, LORA), frozen=("embed.weight", "head.weight"), optimizer="adamw"))
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec()),
+        frozen=("blocks.0.up.weight", "blocks.0.down.weight", "blocks.1.up.weight"),
+    )
+)
+# tied weights, a branch unused on odd steps, both kinds of activation checkpointing
+@example(
+    Config(
+        tied=True,
+        blocks=(BlockSpec(checkpoint="inner", side=True), BlockSpec(checkpoint="wrapper")),
+        steps=3,
+    )
+)
+@example(
+    Config(
+        front_end="wrapper",
+        tied=True,
+        blocks=(BlockSpec(checkpoint="inner", side=True), BlockSpec(checkpoint="wrapper")),
+        steps=3,
+    )
+)
+# mixed precision, accumulation without sync, clipping, CPU offload
+@example(
+    Config(precision="bf16-reduce-fp32", microbatches=2, clip=0.5, optimizer="adamw", offload=True)
+)
+@example(Config(precision="bf16-extra", reshard_after_forward=False, microbatches=2))
+@example(Config(front_end="wrapper", precision="bf16", microbatches=2, strategy="SHARD_GRAD_OP"))
+# FSDP1's flat parameters, the other strategies, prefetch options
+@example(
+    Config(
+        front_end="wrapper",
+        use_orig_params=False,
+        strategy="NO_SHARD",
+        clip=0.5,
+        blocks=(BlockSpec(), BlockSpec()),
+        backward_prefetch="BACKWARD_POST",
+        forward_prefetch=True,
+    )
+)
+@example(Config(blocks=(BlockSpec(), BlockSpec(), BlockSpec()), prefetch="explicit"))
+def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
+    """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
+    assume(not known_bugs_in(config))
+    assert_agrees(rank_pool, config)
+
+
+@settings(SAMPLE, max_examples=8)
+@given(configs((4,)))
+# HSDP on a 2 x 2 mesh, both front ends; an int reshard_after_forward (2 of 4 ranks)
+@example(Config(world_size=4, mesh=(2, 2), blocks=(LORA, BlockSpec()), microbatches=2))
+@example(Config(front_end="wrapper", world_size=4, mesh=(2, 2), strategy="HYBRID_SHARD", clip=0.5))
+@example(
+    Config(
+        world_size=4,
+        mesh=(4,),
+        reshard_after_forward=2,
+        prefetch="explicit",
+        blocks=(BlockSpec(), BlockSpec()),
+    )
+)
+def test_sample_on_four_ranks(rank_pool: RankPool, config: Config) -> None:
+    """A fixed sample of 4-rank configurations agrees: 2-D meshes, int reshard_after_forward."""
+    assume(not known_bugs_in(config))
+    assert_agrees(rank_pool, config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Config(front_end="wrapper", use_orig_params=False, blocks=(LORA,)),
+        Config(front_end="wrapper", use_orig_params=False, frozen=("blocks.0.up.weight",)),
+    ],
+    ids=["lora-unit", "half-frozen-unit"],
+)
+def test_refused_configurations_are_refused_alike(rank_pool: RankPool, config: Config) -> None:
+    """FSDP1 flat parameters with mixed requires_grad: both libraries raise the same type."""
+    outcomes = run_config(rank_pool, config)
+    assert first_discrepancy(outcomes) is None
+    assert all(outcome.status == "both raised ValueError in build" for outcome in outcomes)
