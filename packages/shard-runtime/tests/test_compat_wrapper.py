@@ -531,3 +531,68 @@ def test_state_dict_settings_fields_match() -> None:
     ]
     assert all(f.default is dataclasses.MISSING for f in dataclasses.fields(ours))
     assert ours.__dataclass_params__.frozen is False  # type: ignore[attr-defined]
+
+
+def _low_precision_grads(impl: str, use_orig_params: bool, optimizer: str) -> list[Any]:
+    fsdp, _, kwargs = _api(impl)
+    ns = torch_fsdp if impl == "torch" else shard_runtime
+    torch.manual_seed(0)
+    model = fsdp(
+        nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)),
+        mixed_precision=ns.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, keep_low_precision_grads=True
+        ),
+        use_orig_params=use_orig_params,
+        **kwargs,
+    )
+    optim_cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+    optim = optim_cls(model.parameters(), lr=0.1)
+    seen: list[Any] = []
+    for step in range(2):
+        torch.manual_seed(step + dist.get_rank())
+        loss = model(torch.randn(4, 5)).float().square().mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        seen.append([None if p.grad is None else str(p.grad.dtype) for p in model.parameters()])
+        try:
+            optim.step()
+        except RuntimeError as exc:
+            return [*seen, _error(exc)]
+        optim.zero_grad()
+        seen.append(float(loss.detach()))
+    return [*seen, _params(model)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_keep_low_precision_grads_matches_pytorch(
+    rank_pool: RankPool, use_orig_params: bool, optimizer: str
+) -> None:
+    """keep_low_precision_grads leaves bf16 gradients on fp32 parameters, as PyTorch's wrapper
+    does: SGD trains to the same values, and AdamW fails in its step the same way."""
+    ours = rank_pool.run(_low_precision_grads, 2, "shard", use_orig_params, optimizer)
+    theirs = rank_pool.run(_low_precision_grads, 2, "torch", use_orig_params, optimizer)
+    assert ours == theirs
+    assert "torch.bfloat16" in ours[0][0]
+
+
+def _clipped(impl: str, use_orig_params: bool, seeds: int) -> list[Any]:
+    fsdp, _, kwargs = _api(impl)
+    model = fsdp(Net(), use_orig_params=use_orig_params, **kwargs)
+    seen: list[Any] = []
+    for seed in range(seeds):
+        torch.manual_seed(seed + dist.get_rank())
+        model(torch.randn(8, 3)).square().mean().backward()  # type: ignore[no-untyped-call]
+        norm = model.clip_grad_norm_(0.05)
+        seen.append(float(norm).hex())
+        seen.append([_listed(p.grad) for p in model.parameters()])
+        model.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_clip_grad_norm_sums_in_pytorch_order(rank_pool: RankPool, use_orig_params: bool) -> None:
+    """The total norm sums the per-parameter norms unit by unit, the outer unit first, as
+    PyTorch does: the norm and the clipped gradients are bitwise PyTorch's over 12 seeds."""
+    ours = rank_pool.run(_clipped, 2, "shard", use_orig_params, 12)
+    theirs = rank_pool.run(_clipped, 2, "torch", use_orig_params, 12)
+    assert ours == theirs

@@ -21,19 +21,25 @@ __all__ = ["clip_grad_norm"]
 
 def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.Tensor:
     """Global norm over sharded gradients (summed across the shard axis) and replicated ones."""
-    states = states_in([root])
     held: dict[int, nn.Parameter] = {}
     shard_group: dist.ProcessGroup | None = None
     shard_world = 1
-    for s in states:
+    # PyTorch sums the per-parameter norms unit by unit (the outermost first, then the inner
+    # ones in module order, each unit's parameters in its flat buffer's order), or, when no
+    # unit is split (NO_SHARD, one rank), in the model's order: summing in the same order
+    # rounds as there.
+    any_split = False
+    for s in states_in([root]):
         group = s.unit.group
         assert isinstance(group, FlatBufferLayout)
         shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
-        held.update((id(p), p) for p in group.registered_params())
-    # The model's parameter order, as PyTorch sums the per-parameter norms: the float
-    # sum then rounds as there (NO_SHARD and one-rank norms are bitwise PyTorch's).
-    order = {id(p): i for i, p in enumerate(root.parameters())}
-    ordered = sorted(held.values(), key=lambda p: order.get(id(p), len(order)))
+        any_split = any_split or shard_world > 1
+        for p in group.registered_params():
+            held.setdefault(id(p), p)
+    ordered = list(held.values())
+    if not any_split:
+        order = {id(p): i for i, p in enumerate(root.parameters())}
+        ordered.sort(key=lambda p: order.get(id(p), len(order)))
     sharded = [p.grad for p in ordered if p.grad is not None]
     replicated = [p.grad for p in root.parameters() if id(p) not in held and p.grad is not None]
     device = (sharded or replicated or [torch.zeros(())])[0].device

@@ -168,6 +168,12 @@ class FlatBufferLayout:
         return 1 if self.requires_grad else 0
 
     @property
+    def signals_every_param(self) -> bool:
+        # Every original is a view of the flat buffer: while it trains, frozen originals'
+        # views carry a gradient too, so the buffer's one signal comes after all of them.
+        return self.layout is None or self.requires_grad
+
+    @property
     def gather_dtype(self) -> torch.dtype:
         return self.unsharded_param.dtype
 
@@ -336,6 +342,12 @@ class FlatBufferLayout:
     def has_unsharded_grads(self) -> bool:
         return self.unsharded_param.grad is not None
 
+    def keep_grads(self, dtype: torch.dtype | None) -> None:
+        pass  # the flat gradient accumulates as autograd computes it, as in PyTorch's wrapper
+
+    def drop_unsharded_grads(self) -> None:
+        self.unsharded_param.grad = None
+
     def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         grad = self.unsharded_param.grad
         assert grad is not None
@@ -347,7 +359,7 @@ class FlatBufferLayout:
         reduced = output.to(device=self.shard.device, dtype=dtype)
         if self.flat_param is not None:
             if self.flat_param.grad is None:
-                self.flat_param.grad = reduced  # a fresh buffer per reduction: adopt it
+                _set_grad(self.flat_param, reduced)  # a fresh buffer per reduction: adopt it
             else:
                 self.flat_param.grad.add_(reduced)
             return
@@ -357,7 +369,7 @@ class FlatBufferLayout:
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
             piece = piece.view(spec.param.shape)  # 1-D, or the full shape on one rank
             if spec.param.grad is None:
-                spec.param.grad = piece.clone()
+                _set_grad(spec.param, piece.clone())
             else:
                 spec.param.grad.add_(piece)
 
@@ -436,6 +448,20 @@ def _compute_split(layout: FlatLayout, world: int) -> tuple[list[int], list[int]
     if padded > end:
         sizes.append(padded - end)
     return sizes, pieces
+
+
+def _set_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """``param.grad = grad``, also where ``keep_low_precision_grads`` makes it another dtype.
+
+    Autograd refuses a gradient whose dtype is not the parameter's; PyTorch's
+    wrapper swaps the low-precision data in behind a gradient of the right
+    dtype, and so does this (the optimizer then sees the low-precision one).
+    """
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty((), dtype=param.dtype, device=grad.device).expand(grad.shape)
+    param.grad.data = grad
 
 
 def _shape_only(param: nn.Parameter) -> nn.Parameter:

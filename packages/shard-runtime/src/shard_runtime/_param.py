@@ -130,6 +130,9 @@ class ShardedParam:
     flat: bool = False  # sharded on the flattened storage; see [Note: flat shards as 1-D DTensors]
     unsharded_padded: torch.Tensor = field(init=False)  # ND, padded_rows * shard_world rows
     unsharded_param: nn.Parameter = field(init=False)
+    # the gradients of backwards without gradient sync, summed in the reduce dtype; see
+    # [Note: gradients kept across backwards without sync] in _per_param_layout.py
+    accumulated_grad: torch.Tensor | None = None
 
     # -------------------------------------------------------------- creation
 
@@ -350,7 +353,9 @@ class ShardedParam:
         placements on the non-data-parallel axes (a ``Partial`` tp gradient is
         reduced over tp here; data-parallel axes are left to the reduction).
         """
-        grad = self.unsharded_param.grad
+        grad = self.accumulated_grad
+        if grad is None:
+            grad = self.unsharded_param.grad
         if grad is None or not isinstance(grad, DTensor):
             return grad
         spec = self.unsharded_spec
@@ -364,6 +369,27 @@ class ShardedParam:
         local = grad.to_local()
         assert isinstance(local, torch.Tensor)
         return local
+
+    def fold_grad(self) -> None:
+        """Add the last backward's gradient to those kept from earlier backwards, if any."""
+        grad = self.unsharded_param.grad
+        if self.accumulated_grad is not None and grad is not None:
+            self.accumulated_grad += grad
+            self.unsharded_param.grad = None
+
+    def keep_grad(self, dtype: torch.dtype | None) -> None:
+        """Keep the full gradient for the next backward, in ``dtype`` (``None``: as computed)."""
+        self.fold_grad()
+        grad = self.unsharded_param.grad
+        if dtype is None or grad is None or grad.dtype == dtype:
+            return
+        self.unsharded_param.grad = None
+        self.accumulated_grad = grad.to(dtype)
+
+    def drop_unsharded_grads(self) -> None:
+        """Forget the full gradient and any kept from earlier backwards."""
+        self.unsharded_param.grad = None
+        self.accumulated_grad = None
 
     def version_tensors(self) -> list[torch.Tensor]:
         """The unsharded tensors whose version counters a gather write must preserve."""

@@ -20,6 +20,15 @@ each all-gather): the unsharded face gets the same flag, so autograd computes
 a gradient exactly for the parameters that train now; the reduction covers
 those parameters only (a frozen one is neither sent nor given a gradient);
 and a parameter that starts to train gets its gradient-ready hook then.
+
+[Note: gradients kept across backwards without sync]
+A backward without gradient sync (``set_requires_gradient_sync(False)``,
+gradient accumulation over micro-batches) keeps the full gradients for the
+next one to add to. Autograd accumulates in the compute dtype; with a reduce
+dtype set by the mixed-precision policy, the kept gradient is converted to it
+once (:meth:`ShardedParam.keep_grad`) and each later backward's gradient is
+added to it in that dtype (:meth:`ShardedParam.fold_grad`), so bf16 compute
+with fp32 reduction sums the micro-batches in fp32, as PyTorch does.
 """
 
 from __future__ import annotations
@@ -68,6 +77,10 @@ class PerParamLayout:
     @property
     def num_trainable(self) -> int:
         return len(self.trainable)
+
+    @property
+    def signals_every_param(self) -> bool:
+        return len(self.trainable) == len(self.params)
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -192,7 +205,19 @@ class PerParamLayout:
     # ------------------------------------------------------------------ reduce
 
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded_param.grad is not None for p in self.trainable)
+        return any(
+            p.unsharded_param.grad is not None or p.accumulated_grad is not None
+            for p in self.trainable
+        )
+
+    def keep_grads(self, dtype: torch.dtype | None) -> None:
+        # See [Note: gradients kept across backwards without sync].
+        for p in self.trainable:
+            p.keep_grad(dtype)
+
+    def drop_unsharded_grads(self) -> None:
+        for p in self.params:
+            p.drop_unsharded_grads()
 
     def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         per_rank = self.reduce_numel()
@@ -201,10 +226,11 @@ class PerParamLayout:
         offset = 0
         with_grad: list[bool] = []
         for p in self.trainable:
+            p.fold_grad()
             grad = p.unsharded_grad()
             with_grad.append(grad is not None)
             _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
-            p.unsharded_param.grad = None
+            p.drop_unsharded_grads()
             offset += p.padded_numel
         self._with_grad.append(with_grad)
         return full

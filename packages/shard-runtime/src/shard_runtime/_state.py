@@ -82,8 +82,13 @@ unit's input (a LoRA layer, ``base(x) + b(a(x))`` with ``base`` frozen:
 
 Whichever comes last runs the post-backward, so the reduce-scatter still
 starts while autograd moves on to the unit before (the overlap). A unit whose
-inputs need no gradient (the first layer, a frozen embedding before it) has
-only the first condition; a unit that got no gradient at all, or whose
+inputs need no gradient (the first layer, the root) has only the first
+condition, and it suffices only when every parameter of the unit signals a
+gradient (none frozen, or the flat layout, whose frozen originals are views of
+the trainable buffer): a frozen weight of such a unit may be needed until the
+very end (the root's frozen final norm, between the trainable head and the
+blocks), so its post-backward waits for the end of backward, as PyTorch's.
+A unit that got no gradient at all, or whose
 counted forwards never all ran backward (a forward whose output was not used
 in the loss), is reduced by the end-of-backward callback, which also resets
 the counts. A forward run again inside the unit's own backward (activation
@@ -211,6 +216,7 @@ class UnitState:
         # - forwards whose inputs' gradients backward has not computed yet; see
         #   [Note: post-backward when the unit's backward is done]
         self.inputs_pending = 0
+        self.inputs_watched = False  # a forward since the last backward watched its inputs
         # An output of a forward since the last backward needs a gradient: only then does the
         # unit have a backward to gather for (a frozen unit before every trainable one has none).
         self.runs_backward = False
@@ -372,6 +378,7 @@ class UnitState:
         if not needing:
             return inputs
         self.inputs_pending += 1
+        self.inputs_watched = True
         watched = _BackwardDone.apply(weakref.ref(self), *needing.values())  # type: ignore[no-untyped-call]
         by_id = dict(zip(needing, watched, strict=True))
         result: _Inputs = map_tensors(lambda t: by_id.get(id(t), t), inputs)
@@ -379,8 +386,15 @@ class UnitState:
 
     def _on_inputs_grad_ready(self) -> None:
         self.inputs_pending -= 1
-        if self.inputs_pending == 0 and self.unit.grads_ready():
+        if self._backward_done():
             self._post_backward()
+
+    def _backward_done(self) -> bool:
+        """Whether the unit's backward is over; see [Note: post-backward when the unit's
+        backward is done]."""
+        if self.inputs_pending or not self.unit.grads_ready():
+            return False
+        return self.inputs_watched or self.unit.group.signals_every_param
 
     def _post_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -509,15 +523,15 @@ class UnitState:
             unit = state.unit
             unit.reshard()  # waits for a gather in flight
             group = unit.group
+            group.drop_unsharded_grads()
             if isinstance(group, PerParamLayout):
-                for p in group.params:
-                    p.unsharded_param.grad = None
                 group._with_grad.clear()  # the dropped reduction's bookkeeping
             unit._partial_reduce = None
             unit.reset_backward()
             unit.training_state = TrainingState.IDLE
             state._forwards_done.clear()
             state.inputs_pending = 0
+            state.inputs_watched = False
             state.runs_backward = False
         self.post_forward_order.clear()
         self._final_callback_queued = False
@@ -585,8 +599,7 @@ class UnitState:
         return [order[index - 1]] if index > 0 else []
 
     def _on_all_grads_ready(self, unit: Unit) -> None:
-        # See [Note: post-backward when the unit's backward is done].
-        if self.inputs_pending == 0:
+        if self._backward_done():
             self._post_backward()
 
     def _post_backward(self) -> None:
@@ -607,6 +620,8 @@ class UnitState:
             pending = unit.reduce_grads()
             if pending is not None:  # a unit without gradients leaves the others in flight
                 root._queue_reduce(pending, unit.reduce_scatter_max_input_buffers)
+        else:
+            unit.group.keep_grads(unit.mp_policy.reduce_dtype)
         if unit.reshard_after_backward:
             unit.reshard()
         unit.training_state = TrainingState.POST_BACKWARD
@@ -647,6 +662,7 @@ class UnitState:
             state.unit.reset_backward()
             state.unit.training_state = TrainingState.IDLE
             state.inputs_pending = 0
+            state.inputs_watched = False
             state.runs_backward = False
         self._final_callback_queued = False
         self.step += 1

@@ -46,6 +46,17 @@ class UnitLayout(Protocol):
         ...
 
     @property
+    def signals_every_param(self) -> bool:
+        """Whether the gradient-ready signals cover every parameter, frozen ones included.
+
+        Then a backward that signalled them all has used every weight of the
+        unit; otherwise a frozen weight may still be needed after the last
+        signal. See [Note: post-backward when the unit's backward is done] in
+        ``_state.py``.
+        """
+        ...
+
+    @property
     def gather_dtype(self) -> torch.dtype:
         """The dtype of the all-gather (the compute dtype)."""
         ...
@@ -102,6 +113,19 @@ class UnitLayout(Protocol):
 
     def has_unsharded_grads(self) -> bool:
         """Whether any full gradient waits to be reduced."""
+        ...
+
+    def keep_grads(self, dtype: torch.dtype | None) -> None:
+        """A backward without gradient sync ended: keep the full gradients for the next one.
+
+        ``dtype`` is the reduce dtype the policy asks for (``None``: none); see
+        [Note: gradients kept across backwards without sync] in
+        ``_per_param_layout.py``.
+        """
+        ...
+
+    def drop_unsharded_grads(self) -> None:
+        """Forget every full gradient not reduced yet (a step abandoned after an error)."""
         ...
 
     def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -168,6 +168,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
                 f"got {strategy!r}"
             )
         _check_not_sharded(module)
+        # PyTorch warns about a frozen mix only in the units its auto-wrap policy makes.
+        self._made_by_policy = _shared is not None
         if _shared is None:
             _shared = _prepare(
                 module,
@@ -214,7 +216,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         module = self._fsdp_wrapped_module
         _check_same_use_orig_params(self, module)
         specs = _collect_specs(module, shared.ignored_modules, shared.ignored_params)
-        _check_frozen_mix(specs, self.use_orig_params, type(module).__name__)
+        _check_frozen_mix(
+            specs, self.use_orig_params, type(module).__name__, warn=self._made_by_policy
+        )
         _check_one_dtype(specs, type(module).__name__)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
         shard_device = (
@@ -719,7 +723,9 @@ def _check_same_use_orig_params(outer: FullyShardedDataParallel, module: nn.Modu
             )
 
 
-def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: str) -> None:
+def _check_frozen_mix(
+    specs: list[FlatParamSpec], use_orig_params: bool, name: str, *, warn: bool
+) -> None:
     frozen = [s.fqn for s in specs if not s.param.requires_grad]
     trainable = [s.fqn for s in specs if s.param.requires_grad]
     if not frozen or not trainable:
@@ -731,6 +737,8 @@ def _check_frozen_mix(specs: list[FlatParamSpec], use_orig_params: bool, name: s
             f"trainable: {', '.join(trainable)}. Wrap them in separate units (an "
             "auto_wrap_policy), or pass use_orig_params=True"
         )
+    if not warn:
+        return
     warnings.warn(
         f"FullyShardedDataParallel({name}): frozen and trainable parameters share a unit, so "
         f"gradient memory is spent on the frozen ones too ({', '.join(frozen)}); wrap them "
