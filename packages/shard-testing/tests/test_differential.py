@@ -77,7 +77,7 @@ SAMPLE = settings(
 LORA = BlockSpec(kind="lora")
 
 
-@settings(SAMPLE, max_examples=60)
+@settings(SAMPLE, max_examples=50)
 @given(configs((2,)))
 # requires_grad_ after sharding, both directions, in a LoRA unit and a plain one
 @example(

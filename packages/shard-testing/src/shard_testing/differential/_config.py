@@ -127,6 +127,10 @@ class Config:
     """Wrapper only."""
     use_orig_params: bool = True
     """Wrapper only."""
+    auto_wrap: bool = False
+    """Wrapper only: the blocks become units through ``auto_wrap_policy=ModuleWrapPolicy``
+    (checkpoint wrappers applied afterwards, as ``apply_activation_checkpointing`` does)
+    instead of one ``FullyShardedDataParallel(block)`` call each."""
     backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
     """Wrapper only."""
     forward_prefetch: bool = False
@@ -189,6 +193,7 @@ class Config:
         else:
             out["strategy"] = self.strategy
             out["use_orig_params"] = str(self.use_orig_params)
+            out["auto_wrap"] = str(self.auto_wrap)
             out["backward_prefetch"] = self.backward_prefetch
             out["forward_prefetch"] = str(self.forward_prefetch)
         return out
@@ -299,6 +304,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     prefetch: Prefetch = "none"
     backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
     forward_prefetch = False
+    auto_wrap = False
     if front_end == "fully_shard":
         divisors = tuple(d for d in range(1, shard_size + 1) if shard_size % d == 0)
         reshard = pick((True, False, *divisors))
@@ -306,6 +312,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     else:
         backward_prefetch = pick(("BACKWARD_PRE", "BACKWARD_POST", "none"))
         forward_prefetch = pick((False, True))
+        auto_wrap = shard_blocks and pick((False, True))
     return Config(
         front_end=front_end,
         world_size=world,
@@ -322,6 +329,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         prefetch=prefetch,
         strategy=strategy,
         use_orig_params=use_orig_params,
+        auto_wrap=auto_wrap,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         # PyTorch's FSDP1 offload needs an accelerator (it raises on a CPU-only host).

@@ -78,6 +78,22 @@ def _root_frees_too_early(config: Config) -> bool:
     return False
 
 
+def _units(config: Config) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for name in parameter_names(config):
+        units.setdefault(_unit_of(name, config), set()).add(name)
+    return units
+
+
+def _unfreezes_a_frozen_unit(config: Config) -> bool:
+    """A unit with no trainable parameter at the first step gets one later."""
+    steps = _trainable_by_step(config)
+    return any(
+        not (members & steps[0]) and any(members & later for later in steps[1:])
+        for members in _units(config).values()
+    )
+
+
 def _some_unit_all_frozen(config: Config) -> bool:
     units: dict[str, set[str]] = {}
     for name in parameter_names(config):
@@ -99,6 +115,8 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "keep_low_precision_grads=True): shard raises in the first backward "
             "'RuntimeError: attempting to assign a gradient with dtype BFloat16 to a tensor "
             "with grad_dtype Float'; PyTorch trains (SGD) or fails only in AdamW's step. "
+            "On 4 ranks (SHARD_GRAD_OP, LoRA units) only some ranks raise and the others "
+            "hang in the next collective. "
             "Minimal: Config(front_end='wrapper', precision='bf16-extra')"
         ),
     ),
@@ -150,6 +168,25 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
+        name="fully-shard-replica-all-reduce-order",
+        culprit="shard",
+        matches=lambda c: (
+            c.front_end == "fully_shard"
+            and len(c.mesh) == 2
+            and c.mesh[0] > 2
+            and any(spec.side for spec in c.blocks)
+        ),
+        symptom=(
+            "fully_shard on a (4, 1) mesh (replicas only) with a parameter unused in a step: "
+            "the gradients after the replica all-reduce differ from PyTorch's in the last bit "
+            "(-0.014009188860654831 vs -0.014009187929332256) in the step that leaves the side "
+            "branch unused; the same on (2, 1) and (2, 2) is bitwise equal, so the reduced "
+            "buffer is likely laid out differently when some gradients are missing (gloo "
+            "chunks a 4-rank all-reduce by buffer size, which changes the summation order). "
+            "Minimal: Config(world_size=4, mesh=(4, 1), blocks=(BlockSpec(side=True),))"
+        ),
+    ),
+    KnownBug(
         name="torch-hybrid-shard-group-of-one",
         culprit="torch",
         matches=lambda c: (
@@ -178,6 +215,58 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "restores them), so they vanish from named_parameters(); shard keeps them "
             "Parameters (right). Minimal: Config(front_end='wrapper', strategy='NO_SHARD', "
             "frozen=('embed.weight', 'norm.weight', 'norm.bias', 'head.weight'))"
+        ),
+    ),
+    KnownBug(
+        name="torch-no-shard-no-sync-loses-unfrozen-grad",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.strategy == "NO_SHARD"
+            and c.microbatches > 1
+            and any(t.requires_grad for t in c.toggles)
+        ),
+        symptom=(
+            "PyTorch's FSDP1 NO_SHARD (use_orig_params=True) with no_sync() micro-batches: "
+            "for a parameter unfrozen after wrapping, the gradient accumulated under no_sync "
+            "is lost (torch -0.0042 where a single-process reference and shard give -0.0399). "
+            "Minimal: Config(front_end='wrapper', blocks=(BlockSpec(kind='lora'),), "
+            "toggles=(Toggle(0, 'blocks.0.up.base.weight', True),), strategy='NO_SHARD', "
+            "microbatches=2)"
+        ),
+    ),
+    KnownBug(
+        name="torch-no-shard-no-sync-tied-bf16",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.strategy == "NO_SHARD"
+            and c.mixed_precision
+            and c.microbatches > 1
+            and c.tied
+        ),
+        symptom=(
+            "PyTorch's FSDP1 NO_SHARD with bf16 MixedPrecision, tied weights and no_sync() "
+            "raises in the next forward ('attempting to assign a gradient with dtype BFloat16 "
+            "to a tensor with grad_dtype Float', _flat_param._use_sharded_grad_views); shard "
+            "trains. Minimal: Config(front_end='wrapper', tied=True, precision='bf16', "
+            "strategy='NO_SHARD', microbatches=2)"
+        ),
+    ),
+    KnownBug(
+        name="torch-fully-shard-unfreeze-frozen-unit-bf16",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "fully_shard" and c.mixed_precision and _unfreezes_a_frozen_unit(c)
+        ),
+        symptom=(
+            "PyTorch's fully_shard with bf16 param_dtype: a unit whose parameters were all "
+            "frozen at the first forward, one of them unfrozen later, raises in that backward "
+            "('attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype "
+            "Float', foreach_reduce); shard trains. Minimal: Config(precision='bf16', "
+            "frozen=('blocks.0.norm.weight', 'blocks.0.norm.bias', 'blocks.0.up.weight', "
+            "'blocks.0.up.bias', 'blocks.0.down.weight', 'blocks.0.down.bias'), "
+            "toggles=(Toggle(0, 'blocks.0.norm.weight', True),))"
         ),
     ),
 )

@@ -21,6 +21,7 @@ both libraries.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 import traceback
 import warnings
@@ -36,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from shard_testing.compat import Impl, fsdp_namespace
 from shard_testing.differential._compare import Outcome, Snapshot, Trace, compare_traces
 from shard_testing.differential._config import Config
-from shard_testing.differential._models import Net, batch_of
+from shard_testing.differential._models import Block, Net, batch_of
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -268,6 +269,15 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
     }
     if len(config.mesh) == 2:
         kwargs["device_mesh"] = mesh_for(config)
+    if config.auto_wrap:
+        policy = importlib.import_module(f"{ns.__name__}.wrap").ModuleWrapPolicy({Block})
+        root: Any = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy, **kwargs)
+        blocks = root.module.blocks
+        for index, spec in enumerate(config.blocks):
+            if spec.checkpoint == "wrapper":  # apply_activation_checkpointing's order
+                blocks[index] = _checkpoint_wrapper(blocks[index])
+        wrapped: nn.Module = root
+        return wrapped
     for index, spec in enumerate(config.blocks):
         block: nn.Module = model.blocks[index]
         if config.shard_blocks:
@@ -275,7 +285,7 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         if spec.checkpoint == "wrapper":  # what apply_activation_checkpointing does after wrapping
             block = _checkpoint_wrapper(block)
         model.blocks[index] = block
-    wrapped: nn.Module = ns.FullyShardedDataParallel(model, **kwargs)
+    wrapped = ns.FullyShardedDataParallel(model, **kwargs)
     return wrapped
 
 
