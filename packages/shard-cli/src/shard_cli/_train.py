@@ -66,6 +66,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ from shard_core import StateBytes, held_bytes, state_bytes
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 
-__all__ = ["predict", "run_worker"]
+__all__ = ["predict", "predict_ranks", "run_worker"]
 
 # The reported peak is the smallest over these steps: on gloo a collective's buffers are
 # freed on the backend's thread when it lets go of them, so a step's measured peak can
@@ -229,7 +230,22 @@ def wrap_policy_name(options: TrainOptions, source: ModelSource) -> str:
 def predict(
     source: ModelSource, options: TrainOptions, world: int, rank: int = 0, policy: str = ""
 ) -> tuple[MemoryEstimate, MemoryEstimate]:
-    """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process.
+    """``shard plan``'s estimate for ``rank`` of this run, and for one unsharded process."""
+    estimates, single = predict_ranks(source, options, world, [rank], policy)
+    return estimates[0], single
+
+
+def predict_ranks(
+    source: ModelSource,
+    options: TrainOptions,
+    world: int,
+    ranks: Sequence[int],
+    policy: str = "",
+) -> tuple[list[MemoryEstimate], MemoryEstimate]:
+    """``shard plan``'s estimate for each of ``ranks``, and for one unsharded process.
+
+    The activation profile (a fake forward and backward) is traced once per
+    dtype for all of them.
 
     A user's model whose fake forward fails is estimated without activations.
     The model is ``source``'s as built, with its frozen parameters
@@ -273,16 +289,16 @@ def predict(
         # shard_model's use_orig_params: the wrapper's choice when a parameter is frozen.
         orig_params=any(u.frozen for u in units),
     )
-    return (
+    dtype = compute_dtype(options.precision)
+    activations = profile(dtype)
+    estimates = [
         estimate_memory(
-            units,
-            plan_config,
-            activations=profile(compute_dtype(options.precision)),
-            rank=rank,
-            checkpointed=checkpointed,
-        ),
-        unsharded_memory(units, activations=profile(torch.float32), checkpointed=checkpointed),
-    )
+            units, plan_config, activations=activations, rank=rank, checkpointed=checkpointed
+        )
+        for rank in ranks
+    ]
+    unsharded = activations if dtype == torch.float32 else profile(torch.float32)
+    return estimates, unsharded_memory(units, activations=unsharded, checkpointed=checkpointed)
 
 
 def model_vocab(source: ModelSource, model: nn.Module, data_vocab: int, data: str | None) -> int:
@@ -728,8 +744,8 @@ class _Run:
         tokens_per_step: int,
     ) -> RunSummary:
         o, world, policy = self.options, self.world, self.policy
-        plan, single = predict(self.source, o, world, policy=policy)
-        per_rank = [predict(self.source, o, world, r, policy)[0] for r in range(world)]
+        per_rank, single = predict_ranks(self.source, o, world, range(world), policy)
+        plan = per_rank[0]
         rank0 = ranks[0]
         return RunSummary(
             options=self.options.to_json(),
