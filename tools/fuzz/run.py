@@ -6,9 +6,10 @@ Hypothesis draws configurations (``shard_testing.differential.draw_config``)
 in rounds of a few dozen; each runs under both libraries on a persistent
 ``RankPool``. Every configuration that differs is recorded and the run goes
 on. The first configuration of a new kind of failure (its ``signature``:
-front end, what differs, who raised what) is shrunk by hypothesis to a
-minimal one of the same kind, whose standalone script goes into the report;
-later instances of a kind are only counted and listed. Ranks that crash or
+front end, what differs, who raised what) that no known bug explains
+(``KNOWN_BUGS``) is shrunk by hypothesis to a minimal one of the same kind
+that no known bug explains either, whose standalone script goes into the
+report; later instances of a kind are only counted and listed. Ranks that crash or
 hang are recorded as ``crash`` findings without shrinking (each attempt
 would cost a collective timeout).
 
@@ -151,6 +152,8 @@ class Session:
         kind, _ = self.evaluate(config)
         if kind is None or kind.endswith("(RankFailure)") or kind.endswith("(RankTimeout)"):
             return
+        if known_bugs_in(config):
+            return  # explained already: counted, never shrunk (nor shrunk towards)
         if self.target is None:
             if self.findings[kind].shrunk is not None:
                 return  # a kind already shrunk: counted, nothing more
@@ -242,14 +245,18 @@ def report(
                 "signature": finding.signature,
                 "count": len(finding.configs),
                 "known_bugs": sorted({bug for c in finding.configs for bug in known_bugs_in(c)}),
+                "unexplained": sum(1 for c in finding.configs if not known_bugs_in(c)),
                 "first_discrepancies": finding.lines,
-                "shrunk": None if finding.shrunk is None else repr(finding.shrunk),
+                "shrunk": None if finding.shrunk is None else finding.shrunk.brief(),
                 "shrunk_discrepancies": finding.shrunk_lines,
                 "shrink_seconds": round(finding.shrink_seconds, 1),
                 "script": None if finding.shrunk is None else finding.shrunk.to_script(),
-                "configs": [repr(c) for c in finding.configs],
+                "configs": [c.brief() for c in finding.configs],
             }
-            for finding in sorted(session.findings.values(), key=lambda f: -len(f.configs))
+            for finding in sorted(
+                session.findings.values(),
+                key=lambda f: (-sum(1 for c in f.configs if not known_bugs_in(c)), -len(f.configs)),
+            )
         ],
     }
 
@@ -278,6 +285,7 @@ def markdown(data: dict[str, Any]) -> str:
         lines += [
             f"### {index}. {finding['signature']} ({finding['count']} configurations)",
             "",
+            f"Explained by no known bug: {finding['unexplained']} of {finding['count']}. "
             f"Known bugs among them: {known}.",
             "",
             "First instance:",
@@ -305,7 +313,7 @@ def markdown(data: dict[str, Any]) -> str:
                 "",
             ]
         lines += ["Configurations:", ""]
-        lines += [f"- `{c}`" for c in finding["configs"][:10]]
+        lines += [f"- `{c}`" for c in finding["configs"][:10]]  # reprs: paste into Python
         if finding["count"] > 10:
             lines.append(f"- ... {finding['count'] - 10} more in the JSON report")
         lines.append("")

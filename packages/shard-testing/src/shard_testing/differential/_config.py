@@ -28,7 +28,7 @@ the comparison is that both libraries raise the same exception type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal, Protocol, TypeVar
 
 __all__ = [
@@ -207,10 +207,6 @@ class Config:
             if getattr(self, f.name) != getattr(default, f.name)
         ]
         return f"Config({', '.join(parts)})"
-
-    def as_dict(self) -> dict[str, object]:
-        """Plain values (for a JSON report)."""
-        return asdict(self)
 
 
 def parameter_names(config: Config) -> list[str]:
