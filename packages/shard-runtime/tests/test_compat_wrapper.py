@@ -553,6 +553,8 @@ def _low_precision_grads(impl: str, use_orig_params: bool, optimizer: str) -> li
         loss = model(torch.randn(4, 5)).float().square().mean()
         loss.backward()  # type: ignore[no-untyped-call]
         seen.append([None if p.grad is None else str(p.grad.dtype) for p in model.parameters()])
+        norm = model.clip_grad_norm_(0.05)  # type: ignore[operator]
+        seen.append((str(norm.dtype), float(norm).hex()))
         try:
             optim.step()
         except RuntimeError as exc:
@@ -568,7 +570,8 @@ def test_keep_low_precision_grads_matches_pytorch(
     rank_pool: RankPool, use_orig_params: bool, optimizer: str
 ) -> None:
     """keep_low_precision_grads leaves bf16 gradients on fp32 parameters, as PyTorch's wrapper
-    does: SGD trains to the same values, and AdamW fails in its step the same way."""
+    does: clip_grad_norm_ returns a bf16 norm, SGD trains to the same values, and AdamW fails in
+    its step the same way."""
     ours = rank_pool.run(_low_precision_grads, 2, "shard", use_orig_params, optimizer)
     theirs = rank_pool.run(_low_precision_grads, 2, "torch", use_orig_params, optimizer)
     assert ours == theirs

@@ -7,7 +7,9 @@ with the norm of the gradients every rank holds whole (ignored modules).
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -54,10 +56,20 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
             dist.all_reduce(local, group=shard_group)
         total = (local + _norm(replicated, norm_type, device) ** norm_type) ** (1.0 / norm_type)
     coef = max_norm / (total + 1e-6)
+    grads = [*sharded, *replicated]
     if coef < 1:
-        for grad in (*sharded, *replicated):
+        for grad in grads:
             grad.mul_(coef.to(grad.dtype))
-    return total
+    if not grads:
+        warnings.warn(
+            f"FullyShardedDataParallel.clip_grad_norm_(): rank {dist.get_rank()} has no "
+            f"gradients; the total norm is returned in {total.dtype}, not the gradients' dtype",
+            UserWarning,
+            stacklevel=3,
+        )
+        return total
+    # The gradients' widest dtype, as PyTorch returns it (bf16 gradients: a bf16 norm).
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
 
 
 def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
