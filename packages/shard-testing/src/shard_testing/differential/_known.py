@@ -51,33 +51,6 @@ def _trainable_by_step(config: Config) -> list[set[str]]:
     return by_step
 
 
-def _root_frees_too_early(config: Config) -> bool:
-    """Whether a root module with only frozen parameters runs after trainable parameters of
-    other units and before the root's first module with a trainable one (forward order)."""
-    if config.front_end != "fully_shard":
-        return False
-    modules: dict[str, list[str]] = {}  # forward order (dicts keep insertion order)
-    for name in parameter_names(config):
-        if ".side." not in name:
-            modules.setdefault(name.rsplit(".", 1)[0], []).append(name)
-    if config.tied:
-        modules["head"] = ["embed.weight"]
-    order = list(modules.items())
-    for trainable in _trainable_by_step(config):
-        in_root = [_unit_of(names[0], config) == "" for _, names in order]
-        live = [any(n in trainable for n in names) for _, names in order]
-        first = next((i for i in range(len(order)) if in_root[i] and live[i]), None)
-        if first is None:
-            continue  # no root gradient: the root never reshards in backward
-        upstream = False
-        for i in range(first):
-            if live[i]:
-                upstream = True
-            elif in_root[i] and upstream and order[i][0] != "embed":
-                return True
-    return False
-
-
 def _units(config: Config) -> dict[str, set[str]]:
     units: dict[str, set[str]] = {}
     for name in parameter_names(config):
@@ -106,67 +79,6 @@ def _some_unit_all_frozen(config: Config) -> bool:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug(
-        name="wrapper-keep-low-precision-grads",
-        culprit="shard",
-        matches=lambda c: c.front_end == "wrapper" and c.precision == "bf16-extra",
-        symptom=(
-            "FullyShardedDataParallel with MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, "
-            "keep_low_precision_grads=True): shard raises in the first backward "
-            "'RuntimeError: attempting to assign a gradient with dtype BFloat16 to a tensor "
-            "with grad_dtype Float'; PyTorch trains (SGD) or fails only in AdamW's step. "
-            "On 4 ranks (SHARD_GRAD_OP, LoRA units) only some ranks raise and the others "
-            "hang in the next collective. "
-            "Minimal: Config(front_end='wrapper', precision='bf16-extra')"
-        ),
-    ),
-    KnownBug(
-        name="fully-shard-root-reshards-before-frozen-backward",
-        culprit="shard",
-        matches=_root_frees_too_early,
-        symptom=(
-            "fully_shard: the root unit's input (token ids) needs no gradient, and when its "
-            "only trainable parameter is the last one forward uses (the head, with the "
-            "embedding and the final LayerNorm frozen) shard frees the root's unsharded "
-            "parameters after the head's gradient, before the frozen LayerNorm's backward "
-            "that still reads its weight: 'RuntimeError: The tensor has a non-zero number of "
-            "elements, but its data is not allocated yet' in backward; PyTorch trains. "
-            "Minimal: Config(frozen=('embed.weight', 'norm.weight', 'norm.bias'))"
-        ),
-    ),
-    KnownBug(
-        name="fully-shard-accumulates-in-param-dtype",
-        culprit="shard",
-        matches=lambda c: (
-            c.front_end == "fully_shard"
-            and c.precision == "bf16-reduce-fp32"
-            and c.microbatches > 1
-        ),
-        symptom=(
-            "fully_shard with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) and "
-            "set_requires_gradient_sync(False) micro-batches: PyTorch accumulates the unsharded "
-            "gradients in reduce_dtype (FSDPParam.to_accumulated_grad_if_needed upcasts to "
-            "fp32), shard in bf16, so the reduced gradients differ by bf16 rounding "
-            "(-0.0113525390625 vs -0.01141357421875) and AdamW's first step turns near-zero "
-            "ones into parameters 2 * lr apart. Minimal: "
-            "Config(precision='bf16-reduce-fp32', microbatches=2)"
-        ),
-    ),
-    KnownBug(
-        name="wrapper-clip-grad-norm-summation-order",
-        culprit="shard",
-        matches=lambda c: (
-            c.front_end == "wrapper" and c.clip is not None and c.use_orig_params and c.shard_blocks
-        ),
-        symptom=(
-            "FullyShardedDataParallel.clip_grad_norm_ with use_orig_params=True and nested "
-            "units: shard sums the per-parameter norms in model.parameters() order, PyTorch in "
-            "unit order (self._all_handles: the root's flat_param._params, then each nested "
-            "unit's), so the total norm (and every clipped gradient after it) differs in the "
-            "last bit for some seeds: 1.0584574937820435 vs 1.058457612991333. Minimal: "
-            "Config(front_end='wrapper', blocks=(BlockSpec(kind='lora'),), clip=0.5, seed=2)"
-        ),
-    ),
     KnownBug(
         name="fully-shard-replica-all-reduce-order",
         culprit="shard",
@@ -233,6 +145,26 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "Minimal: Config(front_end='wrapper', blocks=(BlockSpec(kind='lora'),), "
             "toggles=(Toggle(0, 'blocks.0.up.base.weight', True),), strategy='NO_SHARD', "
             "microbatches=2)"
+        ),
+    ),
+    KnownBug(
+        name="torch-keep-low-precision-grads-tied-orig-params",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.precision == "bf16-extra"
+            and c.use_orig_params
+            and c.tied
+        ),
+        symptom=(
+            "PyTorch's FSDP1 with MixedPrecision(keep_low_precision_grads=True), "
+            "use_orig_params=True and tied weights raises in the first backward on the ranks "
+            "whose shard holds a piece of the tied parameter ('attempting to assign a gradient "
+            "with dtype BFloat16 to a tensor with grad_dtype Float', "
+            "_flat_param._use_sharded_grad_views) and not on the others, whose next collective "
+            "then mismatches (gloo aborts the process); shard trains. Minimal: "
+            "Config(front_end='wrapper', tied=True, precision='bf16-extra', "
+            "use_orig_params=True)"
         ),
     ),
     KnownBug(
