@@ -261,8 +261,11 @@ class TrainOptions:
         return Path(self.ckpt_dir) if self.ckpt_dir else Path(self.run_dir) / "checkpoint"
 
     def to_json(self) -> dict[str, Any]:
-        """The options as a JSON object (``config.json``)."""
-        return dataclasses.asdict(self)
+        """The options as a JSON object (``config.json``): tuples as the lists JSON reads back."""
+        return {
+            key: list(value) if isinstance(value, tuple) else value
+            for key, value in dataclasses.asdict(self).items()
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrainOptions:
