@@ -26,6 +26,7 @@ the split, not for throughput.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -115,6 +116,9 @@ def profile_step(device: torch.device, baseline_bytes: int) -> Iterator[StepTrac
     """
     # Kineto prints start/stop banners to stderr at its default log level.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # Garbage from earlier steps freed inside the profiled one would count as negative
+    # events and lower the peak (by whatever Python's collector happened to find then).
+    gc.collect()
     trace = StepTrace(baseline_bytes=baseline_bytes + buffer_cache_info().bytes)
     with (
         _without_profiler_notices(),
