@@ -168,6 +168,23 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
+        name="torch-adamw-low-precision-grads-some-ranks",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper" and c.precision == "bf16-extra" and c.optimizer == "adamw"
+        ),
+        symptom=(
+            "FSDP1 keep_low_precision_grads leaves bf16 gradients on fp32 parameters; AdamW "
+            "refuses them ('expected dtype float for `end` but got dtype c10::BFloat16'), but "
+            "only on the ranks whose shard holds a trainable piece (with most parameters "
+            "frozen, not every rank does), so the other ranks' next collective loses its peer "
+            "and the run crashes. shard raises the same error in the same step "
+            "(test_keep_low_precision_grads_matches_pytorch). Minimal: "
+            "Config(front_end='wrapper', world_size=4, mesh=(4,), precision='bf16-extra', "
+            "optimizer='adamw', freeze='adapters', frozen=<all but the adapters>)"
+        ),
+    ),
+    KnownBug(
         name="torch-no-shard-no-sync-tied-bf16",
         culprit="torch",
         matches=lambda c: (
