@@ -181,7 +181,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "and the run crashes. shard raises the same error in the same step "
             "(test_keep_low_precision_grads_matches_pytorch). Minimal: "
             "Config(front_end='wrapper', world_size=4, mesh=(4,), precision='bf16-extra', "
-            "optimizer='adamw', freeze='adapters', frozen=<all but the adapters>)"
+            "optimizer='adamw')"
         ),
     ),
     KnownBug(
