@@ -236,11 +236,11 @@ def test_reduce_scatter_sum_leaves_each_rank_its_slice(
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reduce_scatter_avg_applies_default_divide_factors(
+def test_reduce_scatter_avg_applies_divide_factors(
     rank_pool: Any, world_size: int, dtype: torch.dtype
 ) -> None:
     """op='avg' divides by the default pre factor before and the post factor after the sum."""
-    pre, post = plumbing.default_divide_factors(world_size)
+    pre, post = plumbing.divide_factors(world_size)
     results = rank_pool.run(_rank_reduce_scatter, world_size, 6, dtype, {"op": "avg"}, None)
     expected = _reference_reduce_scatter(world_size, 6, dtype, pre, post)
     for result, reference in zip(results, expected, strict=True):
@@ -301,7 +301,7 @@ def test_reduce_scatter_of_empty_gradient(rank_pool: Any, world_size: int) -> No
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_reduce_averages_in_place(rank_pool: Any, world_size: int, dtype: torch.dtype) -> None:
     """op='avg' leaves every rank the average, shape kept, with the default factors."""
-    pre, post = plumbing.default_divide_factors(world_size)
+    pre, post = plumbing.divide_factors(world_size)
     results = rank_pool.run(_rank_all_reduce, world_size, 8, dtype, {"op": "avg"}, False)
     expected = (_sum([_values(r, 8, dtype) / pre for r in range(world_size)]) / post).view(2, 4)
     assert all(torch.equal(result, expected) for result in results)
@@ -359,12 +359,17 @@ def test_collective_without_process_group_says_to_initialise(
 
 @pytest.mark.parametrize(
     ("world_size", "factors"),
-    [(1, (1.0, 1.0)), (2, (1.0, 2.0)), (3, (1.0, 3.0)), (4, (2.0, 2.0)), (6, (2.0, 3.0)),
-     (8, (2.0, 4.0)), (16, (4.0, 4.0)), (64, (8.0, 8.0)), (96, (8.0, 12.0))],
+    [(1, (1.0, 1.0)), (2, (2.0, 1.0)), (3, (2.0, 1.5)), (4, (2.0, 2.0)), (6, (4.0, 1.5)),
+     (8, (4.0, 2.0)), (16, (4.0, 4.0)), (64, (8.0, 8.0)), (96, (16.0, 6.0)), (2.5, (1.0, 2.5))],
 )  # fmt: skip
-def test_default_divide_factors(world_size: int, factors: tuple[float, float]) -> None:
-    """The pre factor is the largest power of two dividing N with pre**2 <= N; pre*post == N."""
-    assert plumbing.default_divide_factors(world_size) == factors
+def test_divide_factors(world_size: float, factors: tuple[float, float]) -> None:
+    """PyTorch's split: pre doubles while it divides N and N / pre > pre; pre * post == N."""
+    assert plumbing.divide_factors(world_size) == factors
+
+
+def test_divide_factors_refuses_a_factor_that_is_not_positive() -> None:
+    with pytest.raises(sc.CommError, match=r"^the divide factor must be positive, got 0$"):
+        plumbing.divide_factors(0)
 
 
 def test_resolve_divide_factors_completes_and_checks_the_pair() -> None:

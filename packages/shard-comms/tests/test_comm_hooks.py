@@ -100,7 +100,7 @@ def _rank_halves(numel: int) -> dict[str, Any]:
 def test_default_reducer_averages_into_each_ranks_shard(rank_pool: Any, world_size: int) -> None:
     """reduce(grad, output) is a reduce-scatter averaging over the world, with default factors."""
     results = rank_pool.run(_rank_reduce, world_size, 3, True, None)
-    pre, post = plumbing.default_divide_factors(world_size)
+    pre, post = plumbing.divide_factors(world_size)
     total = torch.stack([_values(r, 3 * world_size) / pre for r in range(world_size)]).sum(0)
     expected = total / post
     for rank, result in enumerate(results):

@@ -26,10 +26,13 @@ all-gather. Other backends gather in one call.
 Averaging over N ranks divides by N. Dividing only at the end lets a sum in
 fp16 overflow; dividing only at the start lets small values underflow. So
 the gradient is divided by ``pre`` before the collective and the result by
-``post`` after, with ``pre * post == N``. By default ``pre`` is the largest
-power of two that divides N and is at most sqrt(N) (N=2: 1 and 2; N=4: 2 and
-2; N=8: 2 and 4; N=6: 2 and 3); powers of two divide exactly. Both divisions
-happen in the reduce dtype.
+``post`` after, with ``pre * post == N``. ``pre`` doubles from 1 while it
+divides N and is below N / ``pre``, which is PyTorch's split, so fp16
+gradients round as they do there (N=2: 2 and 1; N=4: 2 and 2; N=8: 4 and 2;
+N=6: 4 and 1.5). Powers of two divide exactly, so in fp32 and bf16 the split
+changes no bit of the result unless a value under- or overflows. Both
+divisions happen in the reduce dtype; :func:`divide_factors` is the one place
+the split is made (the runtime's divide plan uses it too).
 
 [Note: Profiler ranges]
 Every collective runs inside a profiler range ``shard::<kind> (<label>)``, but
@@ -70,7 +73,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
-    "default_divide_factors",
+    "divide_factors",
     "reduce_scatter",
     "resolve_divide_factors",
 ]
@@ -147,17 +150,18 @@ _DONE = CommHandle(None, None)
 _NO_RANGE: AbstractContextManager[object] = nullcontext()
 
 
-def default_divide_factors(world_size: int) -> tuple[float, float]:
-    """The default ``(pre, post)`` divide factors for averaging over ``world_size`` ranks.
+def divide_factors(total: float) -> tuple[float, float]:
+    """The ``(pre, post)`` factors that divide by ``total`` around a sum, ``pre * post == total``.
 
-    See [Note: Divide factors]. ``pre * post == world_size``.
+    See [Note: Divide factors]. ``total`` is the number of ranks averaged
+    over, or a user's divide factor.
     """
-    if world_size < 1:
-        raise CommError(f"world_size must be at least 1, got {world_size}")
-    pre = 1
-    while world_size % (pre * 2) == 0 and (pre * 2) ** 2 <= world_size:
+    if not total > 0:
+        raise CommError(f"the divide factor must be positive, got {total}")
+    pre = 1.0
+    while total % pre == 0 and total / pre > pre:
         pre *= 2
-    return float(pre), world_size / pre
+    return pre, total / pre
 
 
 def resolve_divide_factors(
@@ -166,7 +170,7 @@ def resolve_divide_factors(
     """The ``(pre, post)`` factors a reduction over ``world_size`` ranks applies.
 
     ``"sum"``: the factors given (1 where ``None``), so a caller can scale a
-    sum. ``"avg"``: the defaults of :func:`default_divide_factors` when both
+    sum. ``"avg"``: the defaults of :func:`divide_factors` when both
     are ``None``; one given fixes the other (their product is
     ``world_size``); both given must multiply to ``world_size``.
     """
@@ -181,7 +185,7 @@ def resolve_divide_factors(
     if op != "avg":
         raise CommError(f"unknown reduce op {op!r}; use 'sum' or 'avg'")
     if pre_divide is None and post_divide is None:
-        return default_divide_factors(world_size)
+        return divide_factors(world_size)
     if pre_divide is None:
         assert post_divide is not None
         return world_size / post_divide, float(post_divide)

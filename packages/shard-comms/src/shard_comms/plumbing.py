@@ -14,7 +14,7 @@ from shard_comms._buffers import clear_buffer_cache
 from shard_comms._collectives import (
     ReduceAlgorithm,
     ReduceOpName,
-    default_divide_factors,
+    divide_factors,
     resolve_divide_factors,
 )
 from shard_comms._counters import COLLECTIVE_KINDS, CollectiveKind
@@ -64,8 +64,8 @@ __all__ = [
     "comm_buffer",
     "custom_all_gather",
     "custom_reduce_scatter",
-    "default_divide_factors",
     "default_mesh",
+    "divide_factors",
     "group_allocates",
     "group_mesh",
     "hybrid_mesh",
