@@ -80,7 +80,7 @@ def _post_forward_group(size: int) -> dict[str, Any]:
     loss = model(torch.randn(3, 4)).sum()
     states = [get_state(block) for block in blocks]
     kept = [s.unit._post_forward_shard.numel() for s in states if s is not None]
-    per_rank = [s.unit.group.gather_numel for s in states if s is not None]
+    per_rank = [s.unit.layout.gather_numel for s in states if s is not None]
     with count_collectives() as backward:
         loss.backward()
     return {

@@ -9,7 +9,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from shard_comms import count_collectives
 from shard_runtime import FSDPModule, fully_shard
-from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._state import states_in
 from shard_testing import RankPool
 
@@ -34,10 +33,12 @@ def _deferred_all_reduce(defer: bool) -> dict[str, torch.Tensor]:
             model(data[2 * rank + micro]).sum().backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     grads["all_reduces"] = torch.tensor(counts.calls("all_reduce"))
-    layouts = [s.unit.group for s in states_in([model])]
-    # Per-reduction bookkeeping left once every reduction has landed (none may stay behind).
+    # Reductions or partials left once every reduction has landed (none may stay behind).
     grads["left_over"] = torch.tensor(
-        sum(len(g._with_grad) for g in layouts if isinstance(g, PerParamLayout))
+        sum(
+            s.unit.reductions.issued is not None or s.unit.reductions.partial is not None
+            for s in states_in([model])
+        )
     )
     return grads
 

@@ -538,13 +538,13 @@ def _policy(kind: str, model: GPT) -> Any:
 
 def _train_applied(
     tied: bool, kind: str
-) -> tuple[list[str], dict[str, bool], torch.Tensor, dict[str, torch.Tensor]]:
+) -> tuple[list[str], dict[str, object], torch.Tensor, dict[str, torch.Tensor]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build(tied)
     apply_wrap_policy(model, _policy(kind, model), mesh=init_device_mesh("cpu", (world,)))
     sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    reshard = {
-        name: unit_state.reshard_after_forward
+    reshard: dict[str, object] = {
+        name: unit_state.unit.reshard_after_forward
         for name, m in model.named_modules()
         if (unit_state := get_state(m)) is not None
     }
@@ -583,7 +583,8 @@ def test_apply_transformer_policy_by_name(rank_pool: RankPool) -> None:
     results = rank_pool.run(_train_applied, 2, True, "transformer")
     for sharded, reshard, _, _ in results:
         assert sharded == ["", *BLOCKS]
-        assert reshard == {"": True, "blocks.0": True, "blocks.1": True, "blocks.2": True}
+        # None: fully_shard's default, decided at the first forward (False for the root).
+        assert reshard == {"": None, "blocks.0": None, "blocks.1": None, "blocks.2": None}
     _check_parity(results, tied=True)
 
 
@@ -592,7 +593,7 @@ def test_apply_custom_policy_overrides_reach_their_unit(rank_pool: RankPool) -> 
     results = rank_pool.run(_train_applied, 2, False, "custom")
     for sharded, reshard, _, _ in results:
         assert sharded == ["", *BLOCKS]
-        assert reshard == {"": True, "blocks.0": True, "blocks.1": False, "blocks.2": True}
+        assert reshard == {"": None, "blocks.0": None, "blocks.1": False, "blocks.2": None}
     _check_parity(results, tied=False)
 
 

@@ -136,7 +136,8 @@ def test_hybrid_without_groups_mesh_or_policy_is_a_value_error(errors: dict[str,
 def test_param_init_fn_not_callable_is_a_value_error(errors: dict[str, Any]) -> None:
     """A param_init_fn that cannot be called is rejected with the type seen."""
     assert errors["param_init_fn"] == (
-        "ValueError: FullyShardedDataParallel: param_init_fn must be callable, got int"
+        "ValueError: FullyShardedDataParallel: param_init_fn must be a callable taking a module "
+        "(it is called on each module left on the meta device), got int"
     )
 
 

@@ -330,7 +330,7 @@ def _plain_state_out(
             if (
                 flat is not None
                 and isinstance(value, DTensor)
-                and value.shape == flat.sharded_shape
+                and value.shape == flat.dtensor_shape
                 and value.shape != flat.full_shape
             ):
                 value = flat_to_rows(flat, value)  # every rank takes part
@@ -352,7 +352,7 @@ def _like_param(key: str, value: Any, param: torch.Tensor, flat: ShardedParam | 
     """
     if not isinstance(value, torch.Tensor):
         return value
-    if flat is not None and value.shape == flat.full_shape != flat.sharded_shape:
+    if flat is not None and value.shape == flat.full_shape != flat.dtensor_shape:
         return full_to_flat(flat, value)
     if not isinstance(param, DTensor):
         return full_value(value)

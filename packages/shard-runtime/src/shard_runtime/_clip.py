@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_runtime._flat_buffer_layout import FlatBufferLayout
 from shard_runtime._state import states_in
 
 __all__ = ["clip_grad_norm"]
@@ -32,11 +31,10 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     # rounds as there.
     any_split = False
     for s in states_in([root]):
-        group = s.unit.group
-        assert isinstance(group, FlatBufferLayout)
+        layout = s.unit.layout
         shard_group, shard_world = s.unit.shard_group, s.unit.shard_world
         any_split = any_split or shard_world > 1
-        for p in group.registered_params():
+        for p in layout.registered_params():
             held.setdefault(id(p), p)
     ordered = list(held.values())
     if not any_split:

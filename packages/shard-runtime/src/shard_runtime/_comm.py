@@ -19,9 +19,11 @@ used on another are recorded with the allocator so their memory is not reused
 too early.
 
 [Note: Sharing the communication context]
-Each root owns a :class:`CommContext`: the reductions it has in flight
-(bounded by ``set_reduce_scatter_max_input_buffers``, one by default, so the
-buffers they hold stay bounded too). ``share_comm_ctx`` hands several roots
+Each root owns a :class:`CommContext`: the order of the reductions its units
+have in flight (bounded by ``set_reduce_scatter_max_input_buffers``, one by
+default, so the buffers they hold stay bounded too). The reductions
+themselves are each unit's (``_reduction.py``); the context only decides
+when the oldest lands. ``share_comm_ctx`` hands several roots
 (pipeline stages, say) one context, so the bound holds across all of them.
 The streams need no sharing: :func:`streams_for` makes one pair per device
 type per process, which every unit uses.
@@ -77,9 +79,9 @@ def streams_for(device: torch.device) -> CommStreams:
 
 
 class InFlight(Protocol):
-    """A reduction in flight: :meth:`finish` waits for it and lands its result, once."""
+    """A reduction in flight: :meth:`land` waits for it and accumulates its result, once."""
 
-    def finish(self) -> None:
+    def land(self) -> None:
         """Wait for the collective and accumulate the result (idempotent)."""
         ...
 
@@ -93,13 +95,16 @@ class CommContext:
 
     in_flight: list[InFlight] = field(default_factory=list)
 
-    def queue(self, pending: InFlight, limit: int) -> None:
-        """Add ``pending``, first finishing the oldest until fewer than ``limit`` remain."""
+    def queue(self, issued: InFlight, limit: int) -> None:
+        """Add ``issued``, first landing the oldest until fewer than ``limit`` remain.
+
+        Step 4 of [Note: the path of one gradient] in ``_reduction.py``.
+        """
         while len(self.in_flight) >= max(limit, 1):
-            self.in_flight.pop(0).finish()
-        self.in_flight.append(pending)
+            self.in_flight.pop(0).land()
+        self.in_flight.append(issued)
 
     def land(self) -> None:
-        """Finish every reduction in flight, oldest first (the end of a last backward)."""
+        """Land every reduction in flight, oldest first (the end of a last backward)."""
         while self.in_flight:
-            self.in_flight.pop(0).finish()
+            self.in_flight.pop(0).land()

@@ -40,8 +40,6 @@ import torch
 import torch.distributed as dist
 
 from shard_core.errors import ModelMismatchError
-from shard_runtime._flat_buffer_layout import FlatBufferLayout
-from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._unit import Unit
 
 __all__ = ["check_same_model", "check_same_tensors", "describe_units"]
@@ -62,23 +60,7 @@ def describe_units(units: Sequence[Unit]) -> list[str]:
         # unit with the class name, which is no prefix of theirs).
         label = unit.label if index else ""
         entries.append(f"unit {label or '(root)'!r}")
-        group = unit.group
-        if isinstance(group, PerParamLayout):
-            for p in group.params:
-                entries.append(
-                    _param_entry(p.fqn, tuple(p.full_shape), p.sharded_param.dtype, p.requires_grad)
-                )
-        elif isinstance(group, FlatBufferLayout) and group.layout is not None:
-            # The layout keeps full shapes: with use_orig_params the parameters
-            # themselves are views of this rank's shard by now.
-            dtype = group.layout.dtype
-            for spec, shape in zip(group.specs, group.layout.params, strict=True):
-                fqn = f"{label}.{spec.fqn}" if label else spec.fqn
-                entries.append(
-                    _param_entry(fqn, tuple(shape.shape), dtype, spec.param.requires_grad)
-                )
-        else:
-            entries.extend(f"parameter {fqn!r}" for fqn in group.fqns)
+        entries.extend(_param_entry(*facts) for facts in unit.layout.describe_params(label))
     return entries
 
 

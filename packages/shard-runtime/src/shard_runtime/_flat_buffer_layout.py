@@ -71,6 +71,7 @@ from torch import nn
 from shard_core import FlatLayout, ParamSpec
 from shard_runtime._param import ParamOwner
 from shard_runtime._storage import alloc_storage, free_storage
+from shard_runtime._unit_layout import GradPresence, ParamFacts, ReplacementCheck
 
 __all__ = ["FlatBufferLayout", "FlatParamSpec"]
 
@@ -96,14 +97,12 @@ class FlatBufferLayout:
         shard_device: torch.device,
         use_orig_params: bool,
         keep_low_precision_grads: bool = False,
-        flat_owner: nn.Module | None = None,
     ) -> None:
         self.specs = specs
         self.rank = rank
         self.world = world
         self.use_orig_params = use_orig_params
         self.keep_low_precision_grads = keep_low_precision_grads
-        self.flat_owner = flat_owner
         self.requires_grad = any(s.param.requires_grad for s in specs)
         self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
         self.flat_param: nn.Parameter | None = None
@@ -117,28 +116,30 @@ class FlatBufferLayout:
         self.unsharded_param = nn.Parameter(torch.empty(0), requires_grad=False)
         if not specs:
             # A unit whose children hold every parameter (a root over wrapped blocks).
-            self.layout: FlatLayout | None = None
+            self.flat_layout: FlatLayout | None = None
             self.shard = torch.empty(0, device=shard_device)
             return
         dtype = specs[0].param.dtype
         element = torch.empty((), dtype=dtype).element_size()
         # PyTorch aligns every original parameter to 16 bytes when they stay visible.
         alignment = max(1, 16 // element) if use_orig_params else 1
-        self.layout = FlatLayout.from_specs(
+        self.flat_layout = FlatLayout.from_specs(
             [ParamSpec(s.fqn, tuple(s.param.shape)) for s in specs],
             dtype=dtype,
             device=specs[0].param.device,
             alignment=alignment,
         )
-        self._split_sizes, self._split_pieces = _compute_split(self.layout, world)
+        self._split_sizes, self._split_pieces = _compute_split(self.flat_layout, world)
         device = specs[0].param.device
         shard_device = device if device.type == "meta" else shard_device
-        n = self.layout.shard_numel(world)
+        n = self.flat_layout.shard_numel(world)
         self.shard = torch.zeros(n, dtype=dtype, device=shard_device)
         if device.type != "meta":
             with torch.no_grad():
-                self.layout.shard([s.param.detach() for s in specs], rank, world, out=self.shard)
-        self.meta = self.layout.shard_metadata(rank, world)
+                self.flat_layout.shard(
+                    [s.param.detach() for s in specs], rank, world, out=self.shard
+                )
+        self.shard_meta = self.flat_layout.shard_metadata(rank, world)
         if use_orig_params:
             self._point_orig_params_at_shard()
         else:
@@ -161,7 +162,7 @@ class FlatBufferLayout:
 
     @property
     def is_empty(self) -> bool:
-        return self.layout is None
+        return self.flat_layout is None
 
     @property
     def num_trainable(self) -> int:
@@ -171,7 +172,7 @@ class FlatBufferLayout:
     def signals_every_param(self) -> bool:
         # Every original is a view of the flat buffer: while it trains, frozen originals'
         # views carry a gradient too, so the buffer's one signal comes after all of them.
-        return self.layout is None or self.requires_grad
+        return self.flat_layout is None or self.requires_grad
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -194,6 +195,25 @@ class FlatBufferLayout:
     def meta_fqns(self) -> list[str]:
         return self.fqns if self.shard.device.type == "meta" else []
 
+    def describe_params(self, label: str) -> list[ParamFacts]:
+        if self.flat_layout is None:
+            return []
+        # The flat layout keeps full shapes: with use_orig_params the parameters themselves
+        # are views of this rank's shard by now.
+        dtype = self.flat_layout.dtype
+        return [
+            ParamFacts(
+                f"{label}.{spec.fqn}" if label else spec.fqn,
+                tuple(shape.shape),
+                dtype,
+                spec.param.requires_grad,
+            )
+            for spec, shape in zip(self.specs, self.flat_layout.params, strict=True)
+        ]
+
+    def adopt_replaced_params(self, check: ReplacementCheck) -> bool:
+        return False  # the wrapper registers views of its buffer, not sharded parameters
+
     # ------------------------------------------------------------------ compute face
 
     def init_compute(
@@ -205,7 +225,7 @@ class FlatBufferLayout:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.layout is None:
+        if self.flat_layout is None:
             return
         self._on_grad_ready = on_grad_ready
         dtype = param_dtype or self.shard.dtype
@@ -221,13 +241,13 @@ class FlatBufferLayout:
         return any(s.param.requires_grad for s in self.specs)
 
     def requires_grad_changed(self) -> bool:
-        return self.layout is not None and self._user_requires_grad() != self.requires_grad
+        return self.flat_layout is not None and self._user_requires_grad() != self.requires_grad
 
     def sync_requires_grad(self) -> None:
         # The flat buffer trains while any original parameter does; a frozen original's piece
         # of the reduced gradient is dropped in ``accumulate``. See [Note: requires_grad is
         # read at every forward] in _per_param_layout.py.
-        if self.layout is None:
+        if self.flat_layout is None:
             return
         self.requires_grad = self._user_requires_grad()
         self.unsharded_param.requires_grad_(self.requires_grad)
@@ -238,7 +258,7 @@ class FlatBufferLayout:
 
     def reset_after_apply(self) -> None:
         """Adopt what ``module._apply`` did to the shard (a new dtype or device)."""
-        if self.layout is None:
+        if self.flat_layout is None:
             return
         current = self.flat_param
         if current is not None and current.data.data_ptr() != self.shard.data_ptr():
@@ -272,13 +292,13 @@ class FlatBufferLayout:
         self._register_unsharded_views()
 
     def _register_unsharded_views(self) -> None:
-        assert self.layout is not None
+        assert self.flat_layout is not None
         # See [Note: Compute views].
         with torch.enable_grad():
             pieces = torch.split_with_sizes(self.unsharded_param, self._split_sizes)
             views = [
                 pieces[index].view(param.shape)
-                for index, param in zip(self._split_pieces, self.layout.params, strict=True)
+                for index, param in zip(self._split_pieces, self.flat_layout.params, strict=True)
             ]
         for spec, view in zip(self.specs, views, strict=True):
             for owner in spec.owners:
@@ -291,7 +311,7 @@ class FlatBufferLayout:
         out.copy_(self.unsharded.view(self.world, -1)[rows])
 
     def to_sharded(self) -> None:
-        if self.layout is None:
+        if self.flat_layout is None:
             return
         if self._views_registered:
             if self.use_orig_params:
@@ -314,7 +334,7 @@ class FlatBufferLayout:
         land in ``full``: the original objects with ``use_orig_params``, one new
         parameter per original (shared by all of its owners) otherwise.
         """
-        views = self._views(full)
+        views = self.full_views(full)
         for spec, view in zip(self.specs, views, strict=True):
             if self.use_orig_params:
                 spec.param.data = view
@@ -348,13 +368,18 @@ class FlatBufferLayout:
     def drop_unsharded_grads(self) -> None:
         self.unsharded_param.grad = None
 
-    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def reduce_input(
+        self, world: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, GradPresence]:
         grad = self.unsharded_param.grad
         assert grad is not None
         self.unsharded_param.grad = None
-        return grad if grad.dtype == dtype else grad.to(dtype)
+        # One gradient for the whole buffer: frozen originals' pieces are sent as they are.
+        return (grad if grad.dtype == dtype else grad.to(dtype)), None
 
-    def accumulate(self, output: torch.Tensor) -> None:
+    def accumulate(
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+    ) -> None:
         dtype = self.gather_dtype if self.keep_low_precision_grads else self.shard.dtype
         reduced = output.to(device=self.shard.device, dtype=dtype)
         if self.flat_param is not None:
@@ -363,7 +388,7 @@ class FlatBufferLayout:
             else:
                 self.flat_param.grad.add_(reduced)
             return
-        for spec, info in zip(self._shard_specs(), self.meta.params, strict=True):
+        for spec, info in zip(self.shard_specs(), self.shard_meta.params, strict=True):
             if not spec.param.requires_grad:
                 continue
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
@@ -375,33 +400,33 @@ class FlatBufferLayout:
 
     # ------------------------------------------------------------------ helpers
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One single-output view per parameter, for ``summon_full_params``.
 
         Not ``split``: users edit summoned parameters in place, which autograd
         forbids on views of a multi-output op.
         """
-        assert self.layout is not None
+        assert self.flat_layout is not None
         # The layout keeps the full shapes (``param.shape`` is the shard piece's).
         return [
             flat.narrow(0, offset, spec.numel).view(spec.shape)
-            for spec, offset in zip(self.layout.params, self.layout.offsets, strict=True)
+            for spec, offset in zip(self.flat_layout.params, self.flat_layout.offsets, strict=True)
         ]
 
     def _orig_shape(self, index: int) -> torch.Size:
-        assert self.layout is not None
-        return torch.Size(self.layout.params[index].shape)
+        assert self.flat_layout is not None
+        return torch.Size(self.flat_layout.params[index].shape)
 
-    def _shard_specs(self) -> list[FlatParamSpec]:
-        return [self.specs[info.index] for info in self.meta.params]
+    def shard_specs(self) -> list[FlatParamSpec]:
+        return [self.specs[info.index] for info in self.shard_meta.params]
 
     def _register_placeholders(self) -> None:
         """``use_orig_params=False``, sharded: shape-only stand-ins for the parameters."""
-        assert self.layout is not None
+        assert self.flat_layout is not None
         if not self._placeholders or self._placeholders[0].dtype != self.shard.dtype:
             self._placeholders = [
                 torch.empty(spec.shape, dtype=self.shard.dtype, device="meta")
-                for spec in self.layout.params
+                for spec in self.flat_layout.params
             ]
         for spec, placeholder in zip(self.specs, self._placeholders, strict=True):
             for owner in spec.owners:
@@ -410,11 +435,11 @@ class FlatBufferLayout:
 
     def _point_orig_params_at_shard(self) -> None:
         """``use_orig_params``: each original parameter's data is its piece of the shard."""
-        assert self.layout is not None
+        assert self.flat_layout is not None
         pieces = dict(
             zip(
-                (info.index for info in self.meta.params),
-                self.layout.shard_views(self.shard, self.rank, self.world),
+                (info.index for info in self.shard_meta.params),
+                self.flat_layout.shard_views(self.shard, self.rank, self.world),
                 strict=True,
             )
         )

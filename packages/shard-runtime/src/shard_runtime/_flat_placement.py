@@ -186,7 +186,7 @@ def full_to_flat(sp: ShardedParam, value: torch.Tensor) -> DTensor:
         local.to(sp.padded_shard.device, copy=True),
         sp.dtensor_mesh,
         sp.placements,
-        sp.sharded_shape,
+        sp.dtensor_shape,
     )
 
 

@@ -26,16 +26,18 @@ from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
+from shard_runtime._front_end import FrontEndRules
+from shard_runtime._module_tree import OwnedParam, owned_params
 from shard_runtime._options import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from shard_runtime._param import DataParallelAxes, ParamOwner, ShardedParam, resolve_shard_dim
+from shard_runtime._param import DataParallelAxes, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._state import UnitState, get_state, states_in
-from shard_runtime._unit import ShardedState, Unit
+from shard_runtime._unit import ReshardAfterForward, ShardedState, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -45,6 +47,8 @@ _M = TypeVar("_M", bound=nn.Module)
 # them, to catch a parameter shared by two units that were not grouped.
 _SHARDED_BY_ATTR = "_shard_unit_label"
 _FSDP_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+# FSDP2's rules; see [Note: the root] in _state.py.
+FULLY_SHARD_RULES = FrontEndRules(api="fully_shard")
 
 
 class UnshardHandle:
@@ -80,7 +84,7 @@ class FSDPModule:
         self.__init__(*args, **kwargs)
         return self
 
-    def _shard(self) -> UnitState:
+    def _unit_state(self) -> UnitState:
         state = get_state(_as_module(self))
         assert state is not None
         return state
@@ -95,13 +99,13 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free the full parameters and register the sharded ones."""
-        state = self._shard()
+        state = self._unit_state()
         state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
         state.unit.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather the full parameters; with ``async_op`` return a handle to wait on."""
-        state = self._shard()
+        state = self._unit_state()
         if state.root is None:
             # Allowed before the root's first forward, on any module, as in PyTorch;
             # the tree is set up by that forward. See [Note: parameters replaced
@@ -122,7 +126,7 @@ class FSDPModule:
         Raises:
             RuntimeError: called on a sharded module that is not the root.
         """
-        self._shard().reset_iter_state()
+        self._unit_state().reset_iter_state()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Say whether the next backward is the last one before the optimizer step.
@@ -139,7 +143,7 @@ class FSDPModule:
         ``_state.py``). ``param.grad`` read directly misses what is in flight:
         read gradients after a backward with ``True``.
         """
-        state = self._shard()
+        state = self._unit_state()
         (state.root if state.root is not None else state).is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(
@@ -175,28 +179,27 @@ class FSDPModule:
                 "or False (a group size to reshard to is only accepted by fully_shard)"
             )
         for state in self._states(recurse):
-            state.set_reshard_after_forward(reshard_after_forward)
             unit = state.unit
             if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 unit.reshard()  # backward then gathers from the full shard group
-            unit.post_forward = None
+            unit.reshard_after_forward = reshard_after_forward
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Start these modules' all-gathers when this module's forward starts."""
-        self._shard().forward_prefetch = [
+        self._unit_state().forward_prefetch = [
             _state_of(m, "set_modules_to_forward_prefetch") for m in modules
         ]
 
     def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Start these modules' all-gathers when this module's backward starts."""
-        self._shard().backward_prefetch = [
+        self._unit_state().backward_prefetch = [
             _state_of(m, "set_modules_to_backward_prefetch") for m in modules
         ]
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next all-gather wait for ``event`` (recorded after the optimizer step)."""
         # Stream.wait_event of every device handle also takes the device's own events.
-        self._shard().unit._post_event = cast(EventLike, event)
+        self._unit_state().unit.wait_before_next_gather(cast(EventLike, event))
 
     # - communication controls; see [Note: Communication controls] in _unit.py
 
@@ -210,7 +213,7 @@ class FSDPModule:
         this unit (forward and backward, over the post-forward group too) and
         takes precedence over ``set_allocate_memory_from_process_group_for_comm``.
         """
-        self._shard().unit.custom_all_gather = comm
+        self._unit_state().unit.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: CustomReduceScatter) -> None:
         """Run this unit's gradient reduce-scatters through ``comm`` instead of shard's own.
@@ -221,7 +224,7 @@ class FSDPModule:
         divides around it (gloo has no pre-multiplied sum), so a comm that
         passes ``op`` on to ``torch.distributed`` averages correctly.
         """
-        self._shard().unit.custom_reduce_scatter = comm
+        self._unit_state().unit.custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
         self,
@@ -242,7 +245,7 @@ class FSDPModule:
             ValueError: ``stream`` given for a unit on a 2-D mesh, whose hook
                 runs where shard's all-reduce runs.
         """
-        unit = self._shard().unit
+        unit = self._unit_state().unit
         if stream is not None and unit.replicate_group is not None:
             raise ValueError(
                 f"set_all_reduce_hook({unit.comm_label}): stream cannot be set when using "
@@ -269,7 +272,7 @@ class FSDPModule:
         Raises:
             ValueError: ``factor`` is not a positive finite number.
         """
-        unit = self._shard().unit
+        unit = self._unit_state().unit
         if isinstance(factor, bool) or not isinstance(factor, int | float):
             raise ValueError(
                 f"set_gradient_divide_factor({unit.comm_label}): factor must be a number, got "
@@ -291,7 +294,7 @@ class FSDPModule:
         dtypes partly before the sum. Backends copy without staging only for
         sums (NCCL's zero-copy collectives). This unit only.
         """
-        self._shard().unit.force_sum_reduction_for_comms = enable
+        self._unit_state().unit.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -325,12 +328,12 @@ class FSDPModule:
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
-                f"set_reduce_scatter_max_input_buffers({self._shard().unit.comm_label}): "
+                f"set_reduce_scatter_max_input_buffers({self._unit_state().unit.comm_label}): "
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
             )
         if max_input_buffers < 1:
             raise ValueError(
-                f"set_reduce_scatter_max_input_buffers({self._shard().unit.comm_label}): "
+                f"set_reduce_scatter_max_input_buffers({self._unit_state().unit.comm_label}): "
                 f"max_input_buffers must be a positive int, got {max_input_buffers}; 1 keeps "
                 "one reduction in flight"
             )
@@ -363,7 +366,7 @@ class FSDPModule:
         A unit whose backward does read its parameters then fails in backward.
         This unit only.
         """
-        self._shard().unit.unshard_in_backward = unshard_in_backward
+        self._unit_state().unit.unshard_in_backward = unshard_in_backward
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take this unit's collective buffers from the process group's own allocator.
@@ -378,7 +381,7 @@ class FSDPModule:
             AssertionError: a custom all-gather or reduce-scatter is set on this
                 unit; those decide their own buffers (as in PyTorch).
         """
-        unit = self._shard().unit
+        unit = self._unit_state().unit
         _check_no_custom_comm(unit, "set_allocate_memory_from_process_group_for_comm")
         unit.comm_allocator = "process_group" if enable else "default"
 
@@ -396,7 +399,7 @@ class FSDPModule:
             AssertionError: a custom all-gather or reduce-scatter is set on this
                 unit (as in PyTorch).
         """
-        unit = self._shard().unit
+        unit = self._unit_state().unit
         if backend != "NCCL":
             raise ValueError(
                 f"set_symm_mem_for_comm({unit.comm_label}): backend must be 'NCCL', the only "
@@ -407,18 +410,13 @@ class FSDPModule:
 
     def _states(self, recurse: bool) -> list[UnitState]:
         if not recurse:
-            return [self._shard()]
+            return [self._unit_state()]
         return states_in([_as_module(self)])
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        # ``.to()``, ``.float()``, ``to_empty()`` swap new local tensors into the
-        # sharded parameters; the unit adopts them afterwards.
-        state = self._shard()
-        state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
-        state.unit.reshard()
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        state.unit.reset_after_apply()
-        return result
+        return self._unit_state().around_apply(
+            lambda: super(FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        )
 
 
 def _original_class(cls: type) -> type:
@@ -536,71 +534,34 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh, dp_mesh_dims)
     mesh, dp_axes = _data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
-    keep_after_forward, post_forward_size = _resolve_reshard_after_forward(
-        True if reshard_after_forward is None else reshard_after_forward, mesh
-    )
-    compute_device = _compute_device(mesh)
-    shard_device = (
-        torch.device("cpu") if type(offload_policy) is not OffloadPolicy else compute_device
-    )
-    children = states_in(modules)
-    managed = {id(p) for s in children for p in s.unit.group.registered_params()}
+    after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
     label = _label(modules)
+    managed = {id(p) for s in states_in(modules) for p in s.unit.layout.registered_params()}
     params = _collect_params(modules, managed, ignored_params or set(), label)
-    pin = (
-        isinstance(offload_policy, CPUOffloadPolicy)
-        and offload_policy.pin_memory
-        and compute_device.type != "cpu"
+    compute_device = _compute_device(mesh)
+    sharded = _shard_params(
+        params, mesh, dp_axes, shard_placement_fn, offload_policy, compute_device
     )
-    sharded = [
-        ShardedParam.create(
-            fqn,
-            param,
-            owners,
-            mesh=mesh,
-            shard_device=shard_device,
-            pin_memory=pin,
-            shard_dim=resolve_shard_dim(fqn, param, None if flat else placement),
-            dp_axes=dp_axes,
-            flat=flat,
-        )
-        for fqn, param, owners in params
-        for placement in [None if shard_placement_fn is None else shard_placement_fn(param)]
-        for flat in [isinstance(placement, FlatShard)]
-    ]
     unit = Unit(
         label=label,
-        group=PerParamLayout(sharded, label),
+        layout=PerParamLayout(sharded, label),
         mesh=mesh,
         mp_policy=mp_policy,
         compute_device=compute_device,
-        post_forward=(
-            None if post_forward_size is None else post_forward_group(mesh, post_forward_size)
-        ),
+        api=FULLY_SHARD_RULES.api,
+        reshard_after_forward=after_forward,
     )
     for (_, param, _), sp in zip(params, sharded, strict=True):
         if sp.flat:
             register_flat_state_dict_hooks(sp)
         setattr(param, _SHARDED_BY_ATTR, unit)
         setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
-    state = UnitState(
-        modules,
-        unit,
-        reshard_after_forward=not keep_after_forward,
-        mp_policy=mp_policy,
-        composable=True,
-        auto_reshard_after_forward=reshard_after_forward is None,
-    )
-    for child in children:
-        if child.parent is None:
-            child.parent = state
-    state.name_inner_units()
+    UnitState(modules, unit, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
     unit.reshard()
     mark_managed_modules(modules)  # See [Note: torch.compile] in _compile.py.
     for m in modules:
-        cls = type(m)
         if not isinstance(m, FSDPModule):
-            m.__class__ = _fsdp_class(cls)
+            m.__class__ = _fsdp_class(type(m))
     return module
 
 
@@ -749,10 +710,12 @@ def _data_parallel_mesh(
     return dp_mesh, axes
 
 
-def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple[bool, int | None]:
-    """(whether full parameters are kept after forward, size of the post-forward group)."""
-    if isinstance(value, bool):
-        return not value, None
+def _resolve_reshard_after_forward(
+    value: bool | int | None, mesh: DeviceMesh
+) -> ReshardAfterForward:
+    """The unit's ``reshard_after_forward`` field for the argument ``value``."""
+    if value is None or isinstance(value, bool):
+        return value
     shard_size = mesh.size(-1)
     if not isinstance(value, int) or value < 1 or shard_size % value != 0:
         raise ValueError(
@@ -761,10 +724,46 @@ def _resolve_reshard_after_forward(value: bool | int, mesh: DeviceMesh) -> tuple
             f"{value!r}"
         )
     if value == shard_size:
-        return False, None
+        return True
     if value == 1:
-        return True, None
-    return False, value
+        return False
+    return post_forward_group(mesh, value)
+
+
+def _shard_params(
+    params: list[OwnedParam],
+    mesh: DeviceMesh,
+    dp_axes: DataParallelAxes | None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None,
+    offload_policy: OffloadPolicy,
+    compute_device: torch.device,
+) -> list[ShardedParam]:
+    """Shard each parameter where its placement (``shard_placement_fn``) and the offload say."""
+    offload = type(offload_policy) is not OffloadPolicy
+    shard_device = torch.device("cpu") if offload else compute_device
+    pin = (
+        isinstance(offload_policy, CPUOffloadPolicy)
+        and offload_policy.pin_memory
+        and compute_device.type != "cpu"
+    )
+    sharded = []
+    for fqn, param, owners in params:
+        placement = None if shard_placement_fn is None else shard_placement_fn(param)
+        flat = isinstance(placement, FlatShard)
+        sharded.append(
+            ShardedParam.create(
+                fqn,
+                param,
+                owners,
+                mesh=mesh,
+                shard_device=shard_device,
+                pin_memory=pin,
+                shard_dim=resolve_shard_dim(fqn, param, None if flat else placement),
+                dp_axes=dp_axes,
+                flat=flat,
+            )
+        )
+    return sharded
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:
@@ -780,25 +779,16 @@ def _collect_params(
     managed: set[int],
     ignored: set[nn.Parameter],
     label: str,
-) -> list[tuple[str, nn.Parameter, list[ParamOwner]]]:
+) -> list[OwnedParam]:
     """Parameters of ``modules`` not managed by an inner unit, with every owner, in order."""
-    found: dict[int, tuple[str, nn.Parameter, list[ParamOwner]]] = {}
-    for index, top in enumerate(modules):
-        prefix = f"{index}." if len(modules) > 1 else ""
-        for mod_name, mod in top.named_modules(remove_duplicate=False):
-            for name, param in list(mod._parameters.items()):
-                if param is None or id(param) in managed or param in ignored:
-                    continue
-                fqn = f"{prefix}{mod_name}.{name}" if mod_name else f"{prefix}{name}"
-                entry = found.get(id(param))
-                if entry is None:
-                    _check_param(fqn, param, label, modules)
-                    entry = (fqn, param, [])
-                    found[id(param)] = entry
-                owner = ParamOwner(mod, name)
-                if owner not in entry[2]:
-                    entry[2].append(owner)
-    return list(found.values())
+    params = owned_params(
+        modules,
+        enter=lambda module, prefix: True,  # an inner unit's parameters are in ``managed``
+        take=lambda param: id(param) not in managed and param not in ignored,
+    )
+    for fqn, param, _ in params:
+        _check_param(fqn, param, label, modules)
+    return params
 
 
 def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Module]) -> None:

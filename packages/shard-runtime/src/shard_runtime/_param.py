@@ -93,8 +93,8 @@ class DataParallelAxes:
 
 
 @dataclass(frozen=True, slots=True)
-class _Layout:
-    """Where a parameter's shards live: mesh and placements of both faces."""
+class _Placement:
+    """Where a parameter's shards live: mesh and placements of both faces (not a unit layout)."""
 
     data: torch.Tensor  # ND: the tensor to shard (the parameter, or its tp local tensor)
     sharded_mesh: DeviceMesh
@@ -119,7 +119,7 @@ class ShardedParam:
     shard_dim: int
     shard_rank: int
     shard_world: int
-    padded_rows: int  # ceil(shard_shape[shard_dim] / shard_world): rows each rank contributes
+    padded_rows: int  # ceil(split_shape[shard_dim] / shard_world): rows each rank contributes
     local_rows: int  # rows of the real (unpadded) local shard
     # - sharded face
     padded_shard: torch.Tensor  # ND, padded_shape, sharded dtype
@@ -163,44 +163,37 @@ class ShardedParam:
         """
         shard_world = mesh.size(-1)
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
-        layout = _layout(fqn, param, mesh, shard_dim, dp_axes)
-        data = layout.data
+        placed = _placement(fqn, param, mesh, shard_dim, dp_axes)
+        data = placed.data
         data_shape = data.shape
         flat = flat and is_flat_layout(
-            data_shape, shard_world, tensor_parallel=layout.unsharded_spec is not None
+            data_shape, shard_world, tensor_parallel=placed.unsharded_spec is not None
         )
         if flat:
             shard_dim = 0
-            layout = replace(layout, sharded_placements=(*layout.sharded_placements[:-1], Shard(0)))
-        shard_shape = torch.Size((data.numel(),)) if flat else data_shape
-        size = shard_shape[shard_dim]
-        if shard_dim != 0 and size % shard_world != 0:
-            raise NotImplementedError(
-                f"fully_shard: parameter {fqn!r} is sharded on dim {shard_dim}, whose size "
-                f"{size} (shape {tuple(data_shape)}) does not divide evenly over {shard_world} "
-                "ranks; only dim 0 may be split unevenly: return Shard(0) (or None) from "
-                "shard_placement_fn for it"
-            )
+            placed = replace(placed, sharded_placements=(*placed.sharded_placements[:-1], Shard(0)))
+        split_shape = torch.Size((data.numel(),)) if flat else data_shape
+        size = split_shape[shard_dim]
+        _check_even_split(fqn, data_shape, shard_dim, size, shard_world)
         padded_rows = padded_dim0_size(size, shard_world)
         rows = dim0_chunk_range(size, shard_rank, shard_world)
-        start, local_rows = rows.start, len(rows)
         if data.device.type == "meta":  # stays on meta until module.to_empty(...)
             shard_device = data.device
-        padded_shape = _with_dim(shard_shape, shard_dim, padded_rows)
-        padded_shard = torch.zeros(padded_shape, dtype=data.dtype, device=shard_device)
-        if data.device.type != "meta":
-            with torch.no_grad():
-                padded_shard.narrow(shard_dim, 0, local_rows).copy_(
-                    data.detach().reshape(shard_shape).narrow(shard_dim, start, local_rows)
-                )
-            if pin_memory:
-                padded_shard = padded_shard.pin_memory()
+        padded_shard = _padded_shard(
+            data.detach().reshape(split_shape),
+            shard_dim,
+            rows,
+            padded_rows,
+            shard_device,
+            pin_memory,
+        )
+        local_rows = len(rows)
         full_shape = param.shape
         sharded_param = _make_sharded_param(
             padded_shard.narrow(shard_dim, 0, local_rows),
-            layout.sharded_mesh,
-            layout.sharded_placements,
-            shard_shape if flat else full_shape,
+            placed.sharded_mesh,
+            placed.sharded_placements,
+            split_shape if flat else full_shape,
             param.requires_grad,
         )
         self = cls(
@@ -210,8 +203,8 @@ class ShardedParam:
             full_shape=full_shape,
             data_shape=data_shape,
             mesh=mesh,
-            dtensor_mesh=layout.sharded_mesh,
-            placements=layout.sharded_placements,
+            dtensor_mesh=placed.sharded_mesh,
+            placements=placed.sharded_placements,
             shard_dim=shard_dim,
             shard_rank=shard_rank,
             shard_world=shard_world,
@@ -219,8 +212,8 @@ class ShardedParam:
             local_rows=local_rows,
             padded_shard=padded_shard,
             sharded_param=sharded_param,
-            unsharded_spec=layout.unsharded_spec,
-            dp_axes=layout.dp_axes,
+            unsharded_spec=placed.unsharded_spec,
+            dp_axes=placed.dp_axes,
             flat=flat,
         )
         self.init_unsharded(data.dtype, shard_device)
@@ -229,7 +222,7 @@ class ShardedParam:
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
         """(Re)create the unsharded face in ``dtype`` on ``device``, storage released."""
         rows = self.padded_rows * self.shard_world
-        shape = self.shard_shape
+        shape = self.split_shape
         self.unsharded_padded = torch.empty(
             _with_dim(shape, self.shard_dim, rows), dtype=dtype, device=device
         )
@@ -263,24 +256,24 @@ class ShardedParam:
     # -------------------------------------------------------------- sizes
 
     @property
-    def shard_shape(self) -> torch.Size:
+    def split_shape(self) -> torch.Size:
         """The shape that is split over ranks: ``data_shape``, or ``(numel,)`` when flat."""
         return torch.Size((self.data_shape.numel(),)) if self.flat else self.data_shape
 
     @property
-    def sharded_shape(self) -> torch.Size:
+    def dtensor_shape(self) -> torch.Size:
         """The sharded DTensor's global shape: ``full_shape``, or ``(numel,)`` when flat."""
-        return self.shard_shape if self.flat else self.full_shape
+        return self.split_shape if self.flat else self.full_shape
 
     @property
     def padded_shape(self) -> torch.Size:
         """Shape of one rank's padded shard."""
-        return _with_dim(self.shard_shape, self.shard_dim, self.padded_rows)
+        return _with_dim(self.split_shape, self.shard_dim, self.padded_rows)
 
     @property
     def local_shape(self) -> torch.Size:
         """Shape of this rank's real (unpadded) shard: the sharded DTensor's local tensor."""
-        return _with_dim(self.shard_shape, self.shard_dim, self.local_rows)
+        return _with_dim(self.split_shape, self.shard_dim, self.local_rows)
 
     @property
     def padded_numel(self) -> int:
@@ -290,7 +283,7 @@ class ShardedParam:
     @property
     def row_numel(self) -> int:
         """Elements in one dim-0 row of the gathered tensor (1 when flat)."""
-        return math.prod(self.shard_shape[1:])
+        return math.prod(self.split_shape[1:])
 
     # -------------------------------------------------------------- storage
 
@@ -301,11 +294,6 @@ class ShardedParam:
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the ``Parameter`` object stays for autograd."""
         free_storage(self.unsharded_padded)
-
-    @property
-    def is_unsharded_allocated(self) -> bool:
-        """Whether the unsharded storage currently holds data."""
-        return self.unsharded_padded.untyped_storage().size() != 0
 
     def unsharded_rows_view(self) -> torch.Tensor:
         """The padded unsharded buffer as ``(shard_world, padded_numel)``, for copy-out.
@@ -452,7 +440,7 @@ class ShardedParam:
                 )
             else:
                 self.sharded_param.grad = contiguous_dtensor(
-                    local_grad, self.dtensor_mesh, self.placements, self.sharded_shape
+                    local_grad, self.dtensor_mesh, self.placements, self.dtensor_shape
                 )
         else:
             grad_local = grad.to_local()  # type: ignore[attr-defined]
@@ -480,19 +468,19 @@ def resolve_shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
     return dim
 
 
-def _layout(
+def _placement(
     fqn: str,
     param: nn.Parameter,
     mesh: DeviceMesh,
     dim: int,
     dp_axes: DataParallelAxes | None,
-) -> _Layout:
+) -> _Placement:
     """Both faces' meshes and placements; see [Note: sharding a tensor-parallel parameter]."""
     dp = (Replicate(),) * (mesh.ndim - 1)
     if dp_axes is not None:
-        return _spmd_layout(fqn, param, mesh, dim, dp_axes)
+        return _spmd_placement(fqn, param, mesh, dim, dp_axes)
     if not isinstance(param, DTensor):
-        return _Layout(param, mesh, (*dp, Shard(dim)), None, frozenset())
+        return _Placement(param, mesh, (*dp, Shard(dim)), None, frozenset())
     spec = param._spec
     if len(spec.placements) > 2:
         raise NotImplementedError(
@@ -512,16 +500,16 @@ def _layout(
     placement: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     local = param.to_local()
     assert isinstance(local, torch.Tensor)
-    return _Layout(local, sharded_mesh, (*dp, placement, *spec.placements), spec, frozenset())
+    return _Placement(local, sharded_mesh, (*dp, placement, *spec.placements), spec, frozenset())
 
 
-def _spmd_layout(
+def _spmd_placement(
     fqn: str,
     param: nn.Parameter,
     mesh: DeviceMesh,
     dim: int,
     dp_axes: DataParallelAxes,
-) -> _Layout:
+) -> _Placement:
     """Layout of a DTensor on the whole mesh, replicated on its data-parallel axes."""
     spmd_mesh = dp_axes.spmd_mesh
     if not isinstance(param, DTensor):
@@ -571,13 +559,43 @@ def _spmd_layout(
         placements = flat
     local = param.to_local()
     assert isinstance(local, torch.Tensor)
-    return _Layout(
+    return _Placement(
         local,
         sharded_mesh,
         tuple(placements),
         spec,
         frozenset((*dp_axes.shard, *dp_axes.replicate)),
     )
+
+
+def _check_even_split(
+    fqn: str, data_shape: torch.Size, shard_dim: int, size: int, shard_world: int
+) -> None:
+    if shard_dim != 0 and size % shard_world != 0:
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is sharded on dim {shard_dim}, whose size "
+            f"{size} (shape {tuple(data_shape)}) does not divide evenly over {shard_world} "
+            "ranks; only dim 0 may be split unevenly: return Shard(0) (or None) from "
+            "shard_placement_fn for it"
+        )
+
+
+def _padded_shard(
+    data: torch.Tensor,
+    shard_dim: int,
+    rows: range,
+    padded_rows: int,
+    device: torch.device,
+    pin_memory: bool,
+) -> torch.Tensor:
+    """This rank's ``rows`` of ``data`` along ``shard_dim``, zero-padded to ``padded_rows``."""
+    padded_shape = _with_dim(data.shape, shard_dim, padded_rows)
+    padded = torch.zeros(padded_shape, dtype=data.dtype, device=device)
+    if data.device.type == "meta":
+        return padded
+    with torch.no_grad():
+        padded.narrow(shard_dim, 0, len(rows)).copy_(data.narrow(shard_dim, rows.start, len(rows)))
+    return padded.pin_memory() if pin_memory else padded
 
 
 def _with_dim(shape: torch.Size, dim: int, size: int) -> torch.Size:

@@ -38,6 +38,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shard_runtime._param import ShardedParam
+from shard_runtime._unit_layout import (
+    GradPresence,
+    ParamFacts,
+    ReplacementCheck,
+    check_one_dtype,
+)
 
 __all__ = ["PerParamLayout"]
 
@@ -54,10 +60,6 @@ class PerParamLayout:
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
         self._gather_dtype: torch.dtype | None = None
-        # - per reduction issued and not yet accumulated: which trainable params had a grad
-        #   (accumulate folds them all: a unit's reductions land in the order issued)
-        self._with_grad: list[list[bool]] = []
-        self.zero_unused_grads = False  # reduce_scatter_unused_params: they get zeros
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         # - sizes, fixed for the group's life (a re-adopted shard keeps its padded shape)
         self._padded_numels = [p.padded_numel for p in params]
@@ -107,6 +109,28 @@ class PerParamLayout:
 
     # ------------------------------------------------------------------ compute face
 
+    def describe_params(self, label: str) -> list[ParamFacts]:
+        return [
+            ParamFacts(p.fqn, tuple(p.full_shape), p.sharded_param.dtype, p.requires_grad)
+            for p in self.params
+        ]
+
+    def adopt_replaced_params(self, check: ReplacementCheck) -> bool:
+        adopted = False
+        for p in self.params:
+            for owner in p.owners:
+                current = owner.module._parameters.get(owner.name)
+                if current is p.sharded_param or current is p.unsharded_param:
+                    continue
+                check(p.fqn, current, p.sharded_param)
+                assert current is not None
+                p.sharded_param = current
+                adopted = True
+        if adopted:
+            for p in self.params:
+                p.to_sharded()  # every owner of a tied parameter sees the adopted one
+        return adopted
+
     def init_compute(
         self,
         param_dtype: torch.dtype | None,
@@ -120,14 +144,13 @@ class PerParamLayout:
         for p in self.params:
             p.init_unsharded(param_dtype or p.padded_shard.dtype, device)
         self._hook_trainable()
+        check_one_dtype(
+            f"fully_shard({self._label or 'root'})",
+            [(p.fqn, p.unsharded_param.dtype) for p in self.params],
+            "give MixedPrecisionPolicy(param_dtype=...) or shard the differently typed "
+            "submodule separately",
+        )
         dtypes = {p.unsharded_param.dtype for p in self.params}
-        if len(dtypes) > 1:
-            names = ", ".join(f"{p.fqn} ({p.unsharded_param.dtype})" for p in self.params)
-            raise TypeError(
-                f"fully_shard({self._label or 'root'}): parameters of one unit must share a "
-                f"dtype to be all-gathered together, got {names}; give MixedPrecisionPolicy("
-                "param_dtype=...) or shard the differently typed submodule separately"
-            )
         self._gather_dtype = next(iter(dtypes)) if dtypes else torch.float32
 
     def reset_after_apply(self) -> None:
@@ -219,7 +242,9 @@ class PerParamLayout:
         for p in self.params:
             p.drop_unsharded_grads()
 
-    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def reduce_input(
+        self, world: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, GradPresence]:
         per_rank = self.reduce_numel()
         full = torch.empty(world * per_rank, dtype=dtype, device=device)
         columns = full.view(world, per_rank)
@@ -232,26 +257,19 @@ class PerParamLayout:
             _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
             p.drop_unsharded_grads()
             offset += p.padded_numel
-        self._with_grad.append(with_grad)
-        return full
+        return full, tuple(with_grad)
 
-    def accumulate(self, output: torch.Tensor) -> None:
+    def accumulate(
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+    ) -> None:
         offset = 0
-        # Every reduction issued and not accumulated yet is in ``output`` (a deferred replica
-        # all-reduce adds the earlier ones' results): a parameter had a gradient if it had
-        # one in any of them.
-        with_grad = (
-            [any(flags) for flags in zip(*self._with_grad, strict=True)]
-            if self._with_grad
-            else [True] * len(self.trainable)
-        )
-        self._with_grad.clear()
+        with_grad = presence if presence is not None else (True,) * len(self.trainable)
         for p, has_grad in zip(self.trainable, with_grad, strict=True):
             # The real rows lead the padded block (padding exists only on dim 0).
             local_shape = p.local_shape
             local = output[offset : offset + local_shape.numel()]
             offset += p.padded_numel
-            if not has_grad and not self.zero_unused_grads and not bool(local.any()):
+            if not has_grad and not zero_unused and not bool(local.any()):
                 # No rank sent a gradient for this shard (its zeros only kept the layout):
                 # keep grad None, as PyTorch does, so the optimizer leaves it alone. Where
                 # another rank's forward used the parameter, the reduced shard holds its
@@ -272,7 +290,7 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
     if p.flat:
         grad = grad.reshape(-1)
     rows = p.padded_rows
-    dim0 = p.shard_shape[0]
+    dim0 = p.split_shape[0]
     world = block.shape[0]
     if dim0 == rows * world:
         block.copy_(grad.reshape(world, p.padded_numel))

@@ -17,19 +17,23 @@ hooks, when the unit gathers, frees and reduces:
 The root is the sharded module whose forward runs first, found lazily then:
 it owns the post-forward order that drives backward prefetch, and it queues
 the end-of-backward callback. Backward needs its parameters at once, so it
-keeps them after forward unless told otherwise. The two front ends differ
-where they copy PyTorch (``composable``):
+keeps them after forward unless told otherwise. The two front ends copy
+different PyTorch rules here, and each says which in its
+:class:`~shard_runtime._front_end.FrontEndRules`:
 
 - ``fully_shard`` (FSDP2's rules): ``reshard_after_forward=None`` means
   "``True``, except ``False`` for the root", resolved at lazy init; an explicit
   ``True`` on the root reshards it after every forward, eval included. A
   submodule whose forward runs before its root's becomes the root of its own
   subtree, and the real root's first forward then fails: the tree was set up
-  from the wrong end. A ``fully_shard([a, b])`` group cannot be the root (it
-  has no single forward to start and end the step).
-- the wrapper (FSDP1's rules): the root keeps its parameters after a forward
-  with grad enabled whatever ``reshard_after_forward`` says, and a submodule's
-  forward before the root has run once is an error.
+  from the wrong end.
+- the wrapper (FSDP1's rules, ``root_keeps_params_for_backward`` and
+  ``early_forward_is_error``): the root keeps its parameters after a forward
+  with grad enabled whatever ``reshard_after_forward`` says, and a
+  submodule's forward before the root has run once is an error.
+
+Under either, the modules grouped by one ``fully_shard([a, b])`` call cannot
+be the root (they have no single forward to start and end the step).
 
 [Note: recovering from a failed step]
 An exception in the middle of forward or backward leaves units gathered, a
@@ -110,7 +114,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -120,31 +124,21 @@ from torch.distributed.tensor import DTensor
 from shard_comms.plumbing import set_flight_step
 from shard_runtime._compile import eager_hook
 from shard_runtime._fingerprint import check_same_model
+from shard_runtime._front_end import FrontEndRules
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
-from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._step_guard import watch_root
 from shard_runtime._tree import iter_tensors, map_tensors
-from shard_runtime._unit import PendingReduce, ShardedState, TrainingState, Unit
+from shard_runtime._unit import ShardedState, TrainingState, Unit, raise_on_meta
 
-__all__ = ["BackwardPrefetchMode", "UnitState", "clean_fqn", "get_state", "states_in"]
+__all__ = ["UnitState", "get_state", "states_in"]
 
 _log = logging.getLogger("shard.runtime")
 
 _STATE_ATTR = "_shard_state"
-WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
-BackwardPrefetchMode = Literal["pre", "post", "none"]
 _Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-
-
-def clean_fqn(name: str) -> str:
-    """A qualified name without the wrapper's internal ``_fsdp_wrapped_module`` segments."""
-    return (
-        name.replace(WRAPPED_PREFIX, "")
-        .removesuffix("._fsdp_wrapped_module")
-        .removeprefix("_fsdp_wrapped_module")
-    )
+_T = TypeVar("_T")
 
 
 def get_state(module: nn.Module) -> UnitState | None:
@@ -172,23 +166,14 @@ class UnitState:
         modules: list[nn.Module],
         unit: Unit,
         *,
-        reshard_after_forward: bool,
+        rules: FrontEndRules,
         mp_policy: MixedPrecisionPolicy,
-        backward_prefetch_mode: BackwardPrefetchMode = "pre",
-        forward_prefetch_implicit: bool = False,
-        cast_root_inputs: bool = False,
-        limit_all_gathers: bool = False,
-        composable: bool = False,
-        auto_reshard_after_forward: bool = False,
     ) -> None:
         self.modules = modules
         self.class_name = ",".join(type(m).__name__ for m in modules)
         self.unit = unit
         self.mp_policy = mp_policy
-        # - front end rules; see [Note: the root]
-        self.composable = composable
-        self.reshard_after_forward = reshard_after_forward
-        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.rules = rules  # See [Note: the root].
         # - tree, filled by fully_shard and the root's lazy init
         self.parent: UnitState | None = None
         self.root: UnitState | None = None
@@ -199,13 +184,9 @@ class UnitState:
         self.is_last_backward = True  # See [Note: a backward that is not the last].
         self.last_forward_order: list[UnitState] = []
         self.step = 0  # backwards completed: the step the flight recorder names
-        # - prefetch: explicit lists (FSDPModule), or the wrapper's implicit modes
+        # - prefetch: explicit lists (FSDPModule), else the rules' modes
         self.forward_prefetch: list[UnitState] | None = None
         self.backward_prefetch: list[UnitState] | None = None
-        self.backward_prefetch_mode = backward_prefetch_mode
-        self.forward_prefetch_implicit = forward_prefetch_implicit
-        self.limit_all_gathers = limit_all_gathers
-        self.cast_root_inputs = cast_root_inputs
         # - debug order check (root only): each unit's label as its forward starts,
         #   and the end of each backward
         self.on_forward_gather: Callable[[str], None] | None = None
@@ -217,10 +198,12 @@ class UnitState:
         #   [Note: post-backward when the unit's backward is done]
         self.inputs_pending = 0
         self.inputs_watched = False  # a forward since the last backward watched its inputs
+        self.grads_ready = 0  # gradient-ready signals in this backward
         # An output of a forward since the last backward needs a gradient: only then does the
         # unit have a backward to gather for (a frozen unit before every trainable one has none).
         self.runs_backward = False
-        unit.on_all_grads_ready = self._on_all_grads_ready
+        # See [Note: torch.compile] in _compile.py.
+        unit.hook_gradients(eager_hook(_weak_grad_hook(self), "post-accumulate-grad hook"))
         # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
         #   in _compile.py
         self._pre_backward_entry = eager_hook(self._pre_backward_hook, "pre-backward hook")
@@ -232,6 +215,11 @@ class UnitState:
             module.register_forward_pre_hook(pre_forward_entry, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward_entry, with_kwargs=True)
             module.register_state_dict_pre_hook(self._state_dict_pre_hook)  # type: ignore[no-untyped-call]
+        # Sharded inner-first: every state below that has no parent yet is a child of this one.
+        for inner in states_in(modules):
+            if inner is not self and inner.parent is None:
+                inner.parent = self
+        self.name_inner_units()
 
     @property
     def is_root(self) -> bool:
@@ -246,67 +234,69 @@ class UnitState:
     # ------------------------------------------------------------------ lazy init
 
     def _lazy_init(self) -> None:
-        if self.parent is not None and not self.composable:
-            outer = self.parent
-            while outer.parent is not None:
-                outer = outer.parent
-            raise RuntimeError(
-                f"fully_shard: the forward of {self.class_name} ({self.label!r}) ran before "
-                f"the first forward of the root sharded module {outer.class_name}; run the root "
-                "module's forward first (it sets up the whole tree), then submodules may run "
-                "on their own"
-            )
-        if self.composable and len(self.modules) > 1:
-            raise RuntimeError(
-                f"fully_shard: the modules grouped by one fully_shard([...]) call "
-                f"({self.class_name}) ran forward as the root; a root must be one module: also "
-                "apply fully_shard to the module that contains them (fully_shard(model)), after "
-                "the grouped call"
-            )
+        """Make this state the root of every state in its modules' trees; see [Note: the root]."""
+        self._check_can_be_root()
         states = states_in(self.modules)
         early = [s for s in states if s is not self and s.root is not None]
         if early:
             raise RuntimeError(
-                f"fully_shard: {early[0].class_name} ({early[0].label!r}) already ran forward "
-                f"as a root before the first forward of {self.class_name}, the sharded module "
-                "that contains it; run the outermost sharded module's forward first (it sets "
-                "up the whole tree), then submodules may run on their own"
+                f"{self.rules.api}: {early[0].class_name} ({early[0].label!r}) already ran "
+                f"forward as a root before the first forward of {self.class_name}, the sharded "
+                "module that contains it; run the outermost sharded module's forward first (it "
+                "sets up the whole tree), then submodules may run on their own"
             )
         for state in states:
             state.adopt_replaced_params()
         self.all_states = states
         self.name_inner_units()
+        self._check_materialized(states)
+        # See [Note: model fingerprints] in _fingerprint.py: before any collective of the model.
+        check_same_model([s.unit for s in states], api=self.rules.api)
+        for state in states:
+            state.root = self
+            if state.unit.reshard_after_forward is None:
+                # See [Note: the root]: backward needs the root's parameters at once.
+                state.unit.reshard_after_forward = state is not self
+        watch_root(self)  # See [Note: optimizer step guard] in _step_guard.py.
+        if order_check_enabled() and self.on_forward_gather is None:
+            checker = ForwardOrderChecker(None)
+            self.on_forward_gather = checker.record
+            self.on_iteration_end = checker.end_iteration
+            self.on_iteration_abort = checker.abandon_iteration
+
+    def _check_can_be_root(self) -> None:
+        """Raise if the rules say this state's forward cannot start a step."""
+        if self.parent is not None and self.rules.early_forward_is_error:
+            outer = self.parent
+            while outer.parent is not None:
+                outer = outer.parent
+            raise RuntimeError(
+                f"{self.rules.api}: the forward of {self.class_name} ({self.label!r}) ran "
+                f"before the first forward of the root sharded module {outer.class_name}; run "
+                "the root module's forward first (it sets up the whole tree), then submodules "
+                "may run on their own"
+            )
+        if len(self.modules) > 1:
+            raise RuntimeError(
+                f"{self.rules.api}: the modules grouped by one fully_shard([...]) call "
+                f"({self.class_name}) ran forward as the root; a root must be one module: also "
+                "apply fully_shard to the module that contains them (fully_shard(model)), after "
+                "the grouped call"
+            )
+
+    def _check_materialized(self, states: list[UnitState]) -> None:
+        """Raise naming every parameter of the tree still on the meta device, in model order."""
         model_order = {
             name: index
             for top in self.modules
             for index, (name, _) in enumerate(top.named_parameters(remove_duplicate=False))
         }
         on_meta = sorted(
-            (fqn for s in states for fqn in s.unit.group.meta_fqns()),
+            (fqn for s in states for fqn in s.unit.layout.meta_fqns()),
             key=lambda fqn: model_order.get(fqn, len(model_order)),
         )
         if on_meta:
-            raise RuntimeError(
-                "fully_shard: parameters are still on the meta device: "
-                f"{', '.join(on_meta)}; call module.to_empty(device=...) and initialize them "
-                "before the first forward"
-            )
-        # See [Note: model fingerprints] in _fingerprint.py: before any collective of the model.
-        check_same_model(
-            [s.unit for s in states],
-            api="fully_shard" if self.composable else "FullyShardedDataParallel",
-        )
-        for state in states:
-            state.root = self
-        watch_root(self)  # See [Note: optimizer step guard] in _step_guard.py.
-        if self.composable and self.auto_reshard_after_forward:
-            # See [Note: the root]: backward needs the root's parameters at once.
-            self.reshard_after_forward = False
-        if order_check_enabled() and self.on_forward_gather is None:
-            checker = ForwardOrderChecker(None)
-            self.on_forward_gather = checker.record
-            self.on_iteration_end = checker.end_iteration
-            self.on_iteration_abort = checker.abandon_iteration
+            raise_on_meta(self.rules.api, on_meta)
 
     def name_inner_units(self) -> None:
         """Label every unit below this one by its qualified name under this one's module(s)."""
@@ -316,7 +306,7 @@ class UnitState:
                 state = get_state(module)
                 if state is None or state is self or module is not state.modules[0]:
                     continue
-                state.unit.set_label(clean_fqn(f"{top_prefix}{name}"))
+                state.unit.set_label(self.rules.clean_name(f"{top_prefix}{name}"))
 
     # ------------------------------------------------------------------ forward
 
@@ -356,7 +346,7 @@ class UnitState:
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        cast = self.mp_policy.cast_forward_inputs or (self.cast_root_inputs and self.is_root)
+        cast = self.mp_policy.cast_forward_inputs or (self.rules.cast_root_inputs and self.is_root)
         if cast and self.mp_policy.param_dtype is not None:
             dtype = self.mp_policy.param_dtype
             args, kwargs = map_tensors(lambda t: _cast_floating(t, dtype), (args, kwargs))
@@ -392,9 +382,9 @@ class UnitState:
     def _backward_done(self) -> bool:
         """Whether the unit's backward is over; see [Note: post-backward when the unit's
         backward is done]."""
-        if self.inputs_pending or not self.unit.grads_ready():
+        if self.inputs_pending or self.grads_ready < self.unit.layout.num_trainable:
             return False
-        return self.inputs_watched or self.unit.group.signals_every_param
+        return self.inputs_watched or self.unit.layout.signals_every_param
 
     def _post_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -435,18 +425,11 @@ class UnitState:
         return output
 
     def _reshards_after_forward(self, grad_enabled: bool) -> bool:
-        if not self.reshard_after_forward:
+        if self.unit.reshard_after_forward is False:
             return False
-        if self.composable:
-            return True
-        # See [Note: the root]: the wrapper's root keeps its parameters for backward,
-        # not for eval.
-        return not (self.is_root and grad_enabled)
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
-        """Fix the unit's post-forward policy (no longer decided by root-ness)."""
-        self.reshard_after_forward = reshard_after_forward
-        self.auto_reshard_after_forward = False
+        # See [Note: the root]: under the wrapper's rules the root keeps its parameters for
+        # backward, not for eval.
+        return not (self.rules.root_keeps_params_for_backward and self.is_root and grad_enabled)
 
     # ------------------------------------------------------------------ replaced parameters
 
@@ -455,30 +438,16 @@ class UnitState:
 
         See [Note: parameters replaced before the first forward].
         """
-        group = self.unit.group
-        if not isinstance(group, PerParamLayout) or self.unit.sharded_state is not (
-            ShardedState.SHARDED
-        ):
+        if self.unit.sharded_state is not ShardedState.SHARDED:
             return
-        adopted = False
-        for p in group.params:
-            for owner in p.owners:
-                current = owner.module._parameters.get(owner.name)
-                if current is p.sharded_param or current is p.unsharded_param:
-                    continue
-                self._check_replacement(p.fqn, current, p.sharded_param)
-                assert current is not None
-                p.sharded_param = current
-                adopted = True
-        if adopted:
-            for p in group.params:
-                p.to_sharded()  # every owner of a tied parameter sees the adopted one
+        if self.unit.layout.adopt_replaced_params(self._check_replacement):
             self.unit.reset_after_apply()
 
     def _check_replacement(self, fqn: str, new: object, old: nn.Parameter) -> None:
         """Raise unless ``new`` can stand in for the sharded parameter ``old``."""
         where = (
-            f"fully_shard({self.label or 'root'}): parameter {fqn!r} was replaced after fully_shard"
+            f"{self.rules.api}({self.unit.comm_label}): parameter {fqn!r} was replaced after "
+            f"{self.rules.api}"
         )
         assert isinstance(old, DTensor)
         if not isinstance(new, DTensor):
@@ -508,6 +477,19 @@ class UnitState:
                 "existing parameter"
             )
 
+    def around_apply(self, apply: Callable[[], _T]) -> _T:
+        """Run ``apply`` (the module's ``_apply``: ``.to()``, ``.float()``, ``to_empty()``).
+
+        It swaps new local tensors into the sharded parameters, so what is in
+        flight lands first (see [Note: a backward that is not the last]), the
+        unit is sharded while it runs, and adopts the new tensors afterwards.
+        """
+        self.land_reductions()
+        self.unit.reshard()
+        result = apply()
+        self.unit.reset_after_apply()
+        return result
+
     # ------------------------------------------------------------------ recovery
 
     def reset_iter_state(self) -> None:
@@ -522,17 +504,10 @@ class UnitState:
         for state in self.all_states or states_in(self.modules):
             unit = state.unit
             unit.reshard()  # waits for a gather in flight
-            group = unit.group
-            group.drop_unsharded_grads()
-            if isinstance(group, PerParamLayout):
-                group._with_grad.clear()  # the dropped reduction's bookkeeping
-            unit._partial_reduce = None
-            unit.reset_backward()
-            unit.training_state = TrainingState.IDLE
+            unit.layout.drop_unsharded_grads()
+            unit.reductions.abandon()  # a deferred replica partial
             state._forwards_done.clear()
-            state.inputs_pending = 0
-            state.inputs_watched = False
-            state.runs_backward = False
+            state._reset_backward()
         self.post_forward_order.clear()
         self._final_callback_queued = False
         if self.on_iteration_abort is not None:
@@ -554,7 +529,7 @@ class UnitState:
             return
         self.unit.training_state = TrainingState.PRE_BACKWARD
         self.unit.unshard()
-        if self.backward_prefetch is not None or self.backward_prefetch_mode == "pre":
+        if self.backward_prefetch is not None or self.rules.backward_prefetch == "pre":
             for target in self._backward_prefetch_targets():
                 if target.unit.unshard_in_backward and target.runs_backward:
                     self._prefetch(target)
@@ -565,9 +540,9 @@ class UnitState:
             return
         root = self.root
         assert root is not None
-        if root.limit_all_gathers:
+        if root.rules.limit_all_gathers:
             # At most two units' all-gathers in flight bounds the memory they hold.
-            in_flight = sum(1 for s in root.all_states if s.unit._pending_gather is not None)
+            in_flight = sum(1 for s in root.all_states if s.unit.gather_in_flight)
             if in_flight >= 2:
                 return
         target.unit.unshard(async_op=True)
@@ -575,7 +550,7 @@ class UnitState:
     def _forward_prefetch_targets(self) -> list[UnitState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
-        if not self.forward_prefetch_implicit:
+        if not self.rules.forward_prefetch:
             return []
         root = self.root
         assert root is not None
@@ -588,7 +563,7 @@ class UnitState:
     def _backward_prefetch_targets(self) -> list[UnitState]:
         if self.backward_prefetch is not None:
             return self.backward_prefetch
-        if self.backward_prefetch_mode == "none":
+        if self.rules.backward_prefetch == "none":
             return []
         root = self.root
         assert root is not None
@@ -598,30 +573,37 @@ class UnitState:
         index = order.index(self)
         return [order[index - 1]] if index > 0 else []
 
-    def _on_all_grads_ready(self, unit: Unit) -> None:
-        if self._backward_done():
+    def _on_grad_ready(self, _param: torch.Tensor) -> None:
+        """Autograd accumulated a trainable parameter's full gradient.
+
+        Step 1 of [Note: the path of one gradient] in ``_reduction.py``.
+        """
+        self.grads_ready += 1
+        if self.grads_ready == self.unit.layout.num_trainable and self._backward_done():
             self._post_backward()
 
     def _post_backward(self) -> None:
+        """The unit's backward is over: reduce (or keep) its gradients, free its parameters.
+
+        Step 2 of [Note: the path of one gradient] in ``_reduction.py``.
+        """
         unit = self.unit
         if unit.training_state is TrainingState.POST_BACKWARD:
             return
         root = self.root
         assert root is not None
-        if self.backward_prefetch is None and self.backward_prefetch_mode == "post":
+        if self.backward_prefetch is None and self.rules.backward_prefetch == "post":
             for target in self._backward_prefetch_targets():
                 if target.unit.unshard_in_backward and target.runs_backward:
                     self._prefetch(target)
         if unit.requires_gradient_sync:
-            if isinstance(unit.group, PerParamLayout):
-                # Zeros reach parameters without a gradient only when asked for, as in
-                # PyTorch; otherwise they keep grad None and the optimizer skips them.
-                unit.group.zero_unused_grads = unit.reduce_scatter_unused_params
-            pending = unit.reduce_grads()
-            if pending is not None:  # a unit without gradients leaves the others in flight
-                root._queue_reduce(pending, unit.reduce_scatter_max_input_buffers)
+            issued = unit.reduce_grads()
+            if issued is not None:  # a unit without gradients leaves the others in flight
+                # At most ``reduce_scatter_max_input_buffers`` reductions in flight bounds the
+                # memory their buffers hold; see [Note: Sharing the communication context].
+                root.unit.comm_ctx.queue(issued, unit.reduce_scatter_max_input_buffers)
         else:
-            unit.group.keep_grads(unit.mp_policy.reduce_dtype)
+            unit.layout.keep_grads(unit.mp_policy.reduce_dtype)
         if unit.reshard_after_backward:
             unit.reshard()
         unit.training_state = TrainingState.POST_BACKWARD
@@ -634,16 +616,10 @@ class UnitState:
         root = self.root if self.root is not None else self
         root.unit.comm_ctx.land()
 
-    def _queue_reduce(self, pending: PendingReduce, limit: int) -> None:
-        # At most ``limit`` reductions in flight (one unless the unit's
-        # set_reduce_scatter_max_input_buffers raised it) bounds the memory their
-        # buffers hold. See [Note: Sharing the communication context] in _comm.py.
-        self.unit.comm_ctx.queue(pending, limit)
-
     def _end_of_backward(self) -> None:
         for state in self.all_states:
             unit = state.unit
-            if unit._pending_gather is not None:
+            if unit.gather_in_flight:
                 # A prefetch nobody consumed: its data would be stale after the optimizer step.
                 unit.reshard()
             if unit.training_state is not TrainingState.POST_BACKWARD and (
@@ -659,17 +635,21 @@ class UnitState:
         if self.is_last_backward:  # See [Note: a backward that is not the last].
             self.land_reductions()
         for state in self.all_states:
-            state.unit.reset_backward()
-            state.unit.training_state = TrainingState.IDLE
-            state.inputs_pending = 0
-            state.inputs_watched = False
-            state.runs_backward = False
+            state._reset_backward()
         self._final_callback_queued = False
         self.step += 1
         set_flight_step(self.step)
         if self.on_iteration_end is not None:
             self.on_iteration_end()
         _log.debug("shard: end of backward for %d units", len(self.all_states))
+
+    def _reset_backward(self) -> None:
+        """Forget this backward's bookkeeping (at its end, or when a step is abandoned)."""
+        self.unit.training_state = TrainingState.IDLE
+        self.grads_ready = 0
+        self.inputs_pending = 0
+        self.inputs_watched = False
+        self.runs_backward = False
 
     # ------------------------------------------------------------------ state dict
 
@@ -690,7 +670,7 @@ class _BackwardDone(torch.autograd.Function):
 
     See [Note: post-backward when the unit's backward is done]. It holds the
     state weakly, as the gradient hooks do (see [Note: Gradient hooks hold the
-    unit weakly] in ``_unit.py``).
+    unit weakly] in :func:`_weak_grad_hook`).
     """
 
     @staticmethod
@@ -706,3 +686,25 @@ class _BackwardDone(torch.autograd.Function):
         if state is not None:
             state._on_inputs_grad_ready()
         return (None, *grads)
+
+
+def _weak_grad_hook(state: UnitState) -> Callable[[torch.Tensor], None]:
+    """``state._on_grad_ready``, holding the state weakly.
+
+    [Note: Gradient hooks hold the unit weakly]
+    A post-accumulate-grad hook is kept alive by the autograd engine's C++
+    side of the unsharded parameter, where Python's cycle collector cannot see
+    it. A hook that held the state strongly (a bound method) closed a cycle
+    state -> unit -> layout -> unsharded parameter -> hook -> state that
+    ``gc`` never collects: the whole module stayed alive after ``del model``.
+    So the hook holds the state by a weak reference; the state lives as long
+    as its module (module -> state), and a hook that outlives it does nothing.
+    """
+    ref = weakref.ref(state)
+
+    def on_grad_ready(param: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad_ready(param)
+
+    return on_grad_ready

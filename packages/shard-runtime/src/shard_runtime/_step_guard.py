@@ -74,7 +74,7 @@ def _check(optimizer: torch.optim.Optimizer, root: UnitState) -> None:
     owners = {
         id(param): state
         for state in root.all_states
-        for param in state.unit.group.registered_params()
+        for param in state.unit.layout.registered_params()
     }
     held = False
     for group in optimizer.param_groups:
@@ -84,7 +84,7 @@ def _check(optimizer: torch.optim.Optimizer, root: UnitState) -> None:
                 continue
             held = True
             unit = state.unit
-            if unit.group.num_trainable and unit.training_state is not TrainingState.POST_BACKWARD:
+            if unit.layout.num_trainable and unit.training_state is not TrainingState.POST_BACKWARD:
                 name = unit.label or f"the root {state.class_name}"
                 where = (
                     "is running"

@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shard_comms import all_gather
-from shard_runtime._flat_buffer_layout import FlatBufferLayout
 from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._unit import ShardedState, TrainingState
+from shard_runtime._wrapper_unit_view import flat_layout_of
 
 __all__ = ["FLAT_PARAM", "SummonMethods", "summon"]
 
@@ -103,8 +103,8 @@ def summon(
                 "already inside summon_full_params; its parameters are full there already: "
                 "use them without entering the context again"
             )
-        group = s.unit.group
-        if with_grads and not (isinstance(group, FlatBufferLayout) and group.use_orig_params):
+        layout = flat_layout_of(s)
+        if with_grads and not (layout is not None and layout.use_orig_params):
             raise NotImplementedError(
                 f"summon_full_params: with_grads=True needs use_orig_params=True, but the unit "
                 f"{s.unit.label!r} was wrapped with use_orig_params=False; wrap with "
@@ -144,9 +144,9 @@ def _summon_group(
     wrapper: nn.Module | None,
 ) -> Iterator[None]:
     unit = state.unit
-    group = unit.group
-    if group.is_empty or not isinstance(group, FlatBufferLayout):
-        yield
+    group = flat_layout_of(state)
+    if group is None or group.is_empty:
+        yield  # a fully_shard unit's parameters are not summoned
         return
     if unit.sharded_state is not ShardedState.SHARDED:
         unit.reshard()
@@ -159,7 +159,7 @@ def _summon_group(
     if with_grads:
         had_grad = [spec.param.grad is not None for spec in group.specs]
         local_grad = torch.zeros_like(shard)
-        for spec, info in zip(group._shard_specs(), group.meta.params, strict=True):
+        for spec, info in zip(group.shard_specs(), group.shard_meta.params, strict=True):
             if spec.param.grad is not None:
                 local_grad.narrow(0, info.offset_in_range, info.numel_in_range).copy_(
                     spec.param.grad.reshape(-1)
@@ -183,7 +183,7 @@ def _summon_group(
             restore.callback(wrapper._parameters.__setitem__, FLAT_PARAM, flat)
         restore.enter_context(group.full_precision_views(full))
         if full_grad is not None:
-            for spec, grad in zip(group.specs, group._views(full_grad), strict=True):
+            for spec, grad in zip(group.specs, group.full_views(full_grad), strict=True):
                 spec.param.grad = grad
         try:
             yield
@@ -197,7 +197,9 @@ def _summon_group(
     if full_grad is not None:
         # Back on the shard views: restore each parameter's sharded gradient, and no
         # gradient where there was none (an optimizer treats zeros and None differently).
-        group.accumulate(full_grad[rank * n : (rank + 1) * n].to(unit.compute_device))
+        group.accumulate(
+            full_grad[rank * n : (rank + 1) * n].to(unit.compute_device), None, zero_unused=False
+        )
         for spec, had in zip(group.specs, had_grad, strict=True):
             if not had:
                 spec.param.grad = None

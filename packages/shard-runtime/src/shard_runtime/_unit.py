@@ -45,16 +45,17 @@ builds the same reducer (:meth:`Unit.grad_reducer`: the unit's groups,
 ``reduce_scatter_group`` included, its divide plan, its custom reduce-scatter)
 and allocates the same buffers on the reduce-scatter stream, then calls either
 ``reducer.scatter`` (asynchronous) or the hook through ``reduce_gradient``
-(synchronous: a hook's result is final when it returns). One ``finish``
-follows for both: the deferred replica all-reduce, the all-reduce hook, the
-division after it, the accumulation.
+(synchronous: a hook's result is final when it returns). One landing follows
+for both (:meth:`~shard_runtime._reduction.IssuedReduction.land`): the
+deferred replica all-reduce, the all-reduce hook, the division after it, the
+accumulation.
 
 On a 2-D mesh the hook is handed the whole reduction (reduce-scatter, then
 the replica all-reduce, which a compressing hook then compresses too) only
 when that all-reduce runs now with nothing deferred before it. Otherwise,
 while ``requires_all_reduce`` is ``False`` and in the first reduction after a
 deferral, its reducer has no replicate group: the hook reduce-scatters, and
-``finish`` adds the kept partial and runs (or defers again) the replica
+the landing adds the kept partial and runs (or defers again) the replica
 all-reduce itself, in the reduce dtype. Adding the partial between the two
 collectives is what makes the deferred result the eager one, and an identity
 hook gives bitwise the gradients of no hook in every case. A hook that
@@ -63,21 +64,11 @@ be combined with a deferred all-reduce: its result would be all-reduced again.
 ``requires_all_reduce`` and the all-reduce hook are read when the reduction
 is issued, so a reduction that lands later (see ``set_is_last_backward``)
 keeps the settings of its backward.
-
-[Note: Gradient hooks hold the unit weakly]
-A post-accumulate-grad hook is kept alive by the autograd engine's C++ side
-of the unsharded parameter, where Python's cycle collector cannot see it. A
-hook that held the unit strongly (a bound method) closed a cycle unit ->
-group -> unsharded parameter -> hook -> unit that ``gc`` never collects: the
-whole module stayed alive after ``del model``. So the hook holds the unit by
-a weak reference; the unit lives as long as its module (module -> state ->
-unit), and a hook that outlives it does nothing.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -99,26 +90,41 @@ from shard_comms.plumbing import (
     PostForwardGroup,
     comm_buffer,
     custom_all_gather,
-    default_divide_factors,
+    divide_factors,
     group_allocates,
 )
 from shard_core.protocols import CommHook, EventLike, StreamLike
 from shard_runtime._comm import CommContext, streams_for
-from shard_runtime._compile import eager_hook
 from shard_runtime._options import MixedPrecisionPolicy
-from shard_runtime._unit_layout import UnitLayout
+from shard_runtime._reduction import IssuedReduction, Reductions
+from shard_runtime._unit_layout import GradPresence, UnitLayout
 
 __all__ = [
     "CommAllocator",
     "DividePlan",
-    "PendingReduce",
+    "ReshardAfterForward",
     "ShardedState",
     "TrainingState",
     "Unit",
+    "raise_on_meta",
 ]
 
 # Where a unit's collective buffers come from; see [Note: Communication controls].
 CommAllocator = Literal["default", "process_group", "symm_mem"]
+
+# Where a unit's parameters go after forward: ``True``: back to the shards; ``False``: kept
+# full for backward; a :class:`PostForwardGroup`: to a shard over that smaller group
+# (``reshard_after_forward=int``), so backward gathers within it; ``None``: not decided yet
+# (``fully_shard``'s default, resolved at lazy init: see [Note: the root] in _state.py).
+ReshardAfterForward = bool | PostForwardGroup | None
+
+
+def raise_on_meta(api: str, fqns: list[str]) -> None:
+    """Raise the error for parameters still on the meta device at the first forward."""
+    raise RuntimeError(
+        f"{api}: parameters are still on the meta device: {', '.join(fqns)}; call "
+        "module.to_empty(device=...) and initialize them before the first forward"
+    )
 
 
 class ShardedState(enum.Enum):
@@ -147,25 +153,6 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = enum.auto()
 
 
-@dataclass(slots=True)
-class PendingReduce:
-    """A gradient reduction in flight; :meth:`finish` lands it in the sharded gradients."""
-
-    work: CommHandle
-    finish_fn: Callable[[], None]
-    keep_alive: tuple[torch.Tensor, ...] = ()  # collective inputs, held until it completes
-    done: bool = False
-
-    def finish(self) -> None:
-        """Wait for the collective and accumulate the result, once."""
-        if self.done:
-            return
-        self.work.wait()
-        self.keep_alive = ()
-        self.finish_fn()
-        self.done = True
-
-
 @dataclass(frozen=True, slots=True)
 class DividePlan:
     """Where a reduction divides: see [Note: Communication controls].
@@ -182,22 +169,6 @@ class DividePlan:
     after_hook: float
 
 
-def _sum_split(factor: float, reduce_dtype: torch.dtype) -> tuple[float, float]:
-    """``(before, after)`` for a division by ``factor`` around a pure sum.
-
-    fp32 and bf16 divide once, after the sum. Other dtypes (fp16; fp64 too,
-    as in PyTorch) divide by a power of two before it, about the square root
-    of ``factor``, so the sum neither overflows nor underflows; the split is
-    PyTorch's, so fp16 gradients round as they do there.
-    """
-    if reduce_dtype in (torch.float32, torch.bfloat16):
-        return 1.0, factor
-    before = 1.0
-    while factor % before == 0 and factor / before > before:
-        before *= 2
-    return before, factor / before
-
-
 @dataclass(slots=True)
 class _PendingGather:
     work: CommHandle
@@ -211,30 +182,29 @@ class Unit:
     """The engine's communication group; see the module docstring."""
 
     label: str
-    group: UnitLayout
+    layout: UnitLayout
     mesh: DeviceMesh
     mp_policy: MixedPrecisionPolicy
     compute_device: torch.device
+    api: str  # the front end's name, starting error messages
     # - state
     sharded_state: ShardedState = ShardedState.SHARDED
     training_state: TrainingState = TrainingState.IDLE
     # - per-step switches, set through the front ends
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
+    reshard_after_forward: ReshardAfterForward = True
     reshard_after_backward: bool = True
-    post_forward: PostForwardGroup | None = None
     # - communication in flight
     _pending_gather: _PendingGather | None = None
     _post_forward_shard: torch.Tensor | None = None  # 1D, rows * gather_numel
-    _partial_reduce: torch.Tensor | None = None  # 1D, reduce-scattered but not all-reduced
-    _pending_reduce: PendingReduce | None = None  # issued, not finished yet
-    _grads_ready: int = 0
-    _post_event: EventLike | None = None
+    _post_optim_event: EventLike | None = None  # the next all-gather waits for it
     _materialized: bool = False  # no shard on the meta device; checked once per init_compute
+    # called once per trainable leaf whose gradient autograd accumulated (the state's hook)
+    _on_grad_ready: Callable[[torch.Tensor], None] | None = None
     # replaces the collectives of a reduction (wrapper's register_comm_hook); see
     # [Note: Comm hooks on the one reduction path]
     comm_hook: CommHook | None = None
-    on_all_grads_ready: Callable[[Unit], None] | None = None
     # - communication controls (FSDPModule.set_*); see [Note: Communication controls]
     gradient_divide_factor: float | None = None
     force_sum_reduction_for_comms: bool = False
@@ -254,32 +224,48 @@ class Unit:
         self.shard_world = self.shard_group.size()
         self.replicate_world = 1 if self.replicate_group is None else self.replicate_group.size()
         self.streams = streams_for(self.compute_device)
-        self.init_compute()
+        # What the unit has issued and not accumulated yet; see _reduction.py.
+        self.reductions = Reductions(self.layout, self.streams)
 
     @property
     def comm_label(self) -> str:
         """The unit's name in profiles, logs and collective counts (``root`` for the root)."""
         return self.label or "root"
 
+    @property
+    def gather_in_flight(self) -> bool:
+        """Whether an all-gather was started and not waited for (a prefetch)."""
+        return self._pending_gather is not None
+
     def set_label(self, label: str) -> None:
         """Name the unit by its module's qualified name (and its parameters under it)."""
         self.label = label
-        self.group.set_label(label)
+        self.layout.set_label(label)
+
+    def wait_before_next_gather(self, event: EventLike) -> None:
+        """Make the next all-gather wait for ``event`` (``set_post_optim_event``)."""
+        self._post_optim_event = event
+
+    def hook_gradients(self, on_grad_ready: Callable[[torch.Tensor], None]) -> None:
+        """Call ``on_grad_ready`` for every trainable leaf's gradient, from now on."""
+        self._on_grad_ready = on_grad_ready
+        self.init_compute()
 
     def init_compute(self) -> None:
         """(Re)build the unsharded face in the compute dtype and hook its gradients."""
+        assert self._on_grad_ready is not None, "hook_gradients comes first"
         self._materialized = False  # shards may be new (``to_empty``): check them again
-        # See [Note: torch.compile] in _compile.py.
-        on_grad_ready = eager_hook(_weak_grad_hook(self), "post-accumulate-grad hook")
-        self.group.init_compute(self.mp_policy.param_dtype, self.compute_device, on_grad_ready)
+        self.layout.init_compute(
+            self.mp_policy.param_dtype, self.compute_device, self._on_grad_ready
+        )
 
     def reset_after_apply(self) -> None:
         """Adopt new sharded tensors after ``module._apply`` (``.to()``, ``to_empty()``)."""
-        self.group.reset_after_apply()
+        self.layout.reset_after_apply()
         self.init_compute()
 
     def _reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.group.gather_dtype
+        return self.mp_policy.reduce_dtype or self.layout.gather_dtype
 
     # ------------------------------------------------------------------ unshard
 
@@ -289,7 +275,7 @@ class Unit:
             if not async_op:
                 self.wait_for_unshard()
             return
-        if self.group.is_empty:
+        if self.layout.is_empty:
             self.sharded_state = ShardedState.UNSHARDED
             return
         if not self.unshard_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
@@ -298,17 +284,17 @@ class Unit:
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
         stream = streams.all_gather
-        if self._post_event is not None:
-            stream.wait_event(self._post_event)
-            self._post_event = None
+        if self._post_optim_event is not None:
+            stream.wait_event(self._post_optim_event)
+            self._post_optim_event = None
         else:
             stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
             if self._post_forward_shard is not None:
-                assert self.post_forward is not None
-                send, group = self._post_forward_shard, self.post_forward.group
+                assert isinstance(self.reshard_after_forward, PostForwardGroup)
+                send, group = self._post_forward_shard, self.reshard_after_forward.group
             else:
-                send, group = self.group.gather_input(self.compute_device), self.shard_group
+                send, group = self.layout.gather_input(self.compute_device), self.shard_group
             output, work = self._all_gather(send, group)
             issued = stream.record_event()
         self._pending_gather = _PendingGather(work, output, send, issued)
@@ -325,13 +311,13 @@ class Unit:
             )
         if self._group_allocates(group):
             output = comm_buffer(
-                self.shard_world * self.group.gather_numel,
-                self.group.gather_dtype,
+                self.shard_world * self.layout.gather_numel,
+                self.layout.gather_dtype,
                 self.compute_device,
                 group,
             )
         else:
-            output = self.group.gather_output(self.shard_world, self.compute_device)
+            output = self.layout.gather_output(self.shard_world, self.compute_device)
         # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
         backward = torch._C._current_graph_task_id() != -1
         phase = "backward all-gather" if backward else "forward all-gather"
@@ -346,7 +332,7 @@ class Unit:
         """Finish a started all-gather and register the full parameters."""
         pending = self._pending_gather
         if pending is None:
-            if self.sharded_state is not ShardedState.UNSHARDED and not self.group.is_empty:
+            if self.sharded_state is not ShardedState.UNSHARDED and not self.layout.is_empty:
                 self.unshard()
             return
         self._pending_gather = None
@@ -354,7 +340,7 @@ class Unit:
         pending.issued.wait(current)
         pending.work.wait()
         self.streams.handle.record_stream(pending.output, current)
-        self.group.finish_gather(pending.output)
+        self.layout.finish_gather(pending.output)
         self._post_forward_shard = None
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -362,21 +348,25 @@ class Unit:
         """Register the sharded parameters again and release the full ones."""
         if self._pending_gather is not None:
             self.wait_for_unshard()
-        self.group.to_sharded()
+        self.layout.to_sharded()
         self._post_forward_shard = None
         self.sharded_state = ShardedState.SHARDED
 
     def reshard_post_forward(self) -> None:
         """Reshard after forward: fully, or to the smaller post-forward group when one is set."""
-        pf = self.post_forward
-        if pf is None or self.sharded_state is not ShardedState.UNSHARDED or self.group.is_empty:
+        pf = self.reshard_after_forward
+        if (
+            not isinstance(pf, PostForwardGroup)
+            or self.sharded_state is not ShardedState.UNSHARDED
+            or self.layout.is_empty
+        ):
             self.reshard()
             return
-        numel = self.group.gather_numel
+        numel = self.layout.gather_numel
         kept = torch.empty(
-            pf.rows * numel, dtype=self.group.gather_dtype, device=self.compute_device
+            pf.rows * numel, dtype=self.layout.gather_dtype, device=self.compute_device
         )
-        self.group.copy_gathered_rows(
+        self.layout.copy_gathered_rows(
             slice(pf.index * pf.rows, (pf.index + 1) * pf.rows), kept.view(pf.rows, numel)
         )
         self.reshard()
@@ -386,13 +376,9 @@ class Unit:
     def _check_materialized(self) -> None:
         if self._materialized:
             return  # shards only move through ``_apply``, which runs ``reset_after_apply``
-        on_meta = self.group.meta_fqns()
+        on_meta = self.layout.meta_fqns()
         if on_meta:
-            raise RuntimeError(
-                f"fully_shard({self.label or 'root'}): parameters are still on the meta device: "
-                f"{', '.join(on_meta)}; call module.to_empty(device=...) and initialize them "
-                "before the first forward"
-            )
+            raise_on_meta(f"{self.api}({self.comm_label})", on_meta)
         self._materialized = True
 
     # ------------------------------------------------------------------ gradients
@@ -404,35 +390,21 @@ class Unit:
         of parameters, so it lands first. See [Note: requires_grad is read at
         every forward] in ``_per_param_layout.py``.
         """
-        if not self.group.requires_grad_changed():
+        if not self.layout.requires_grad_changed():
             return
-        if self._pending_reduce is not None:
-            self._pending_reduce.finish()
-        if self._partial_reduce is not None:
+        self.reductions.land()
+        if self.reductions.partial is not None:
             raise RuntimeError(
-                f"fully_shard({self.comm_label}): requires_grad of a parameter of "
-                f"{', '.join(self.group.fqns)} changed while its gradients wait for the replica "
+                f"{self.api}({self.comm_label}): requires_grad of a parameter of "
+                f"{', '.join(self.layout.fqns)} changed while its gradients wait for the replica "
                 "all-reduce (set_requires_all_reduce(False)); change requires_grad after a "
                 "backward with set_requires_all_reduce(True)"
             )
-        self.group.sync_requires_grad()
-
-    def _on_grad_ready(self, _param: torch.Tensor) -> None:
-        self._grads_ready += 1
-        if self._grads_ready == self.group.num_trainable and self.on_all_grads_ready is not None:
-            self.on_all_grads_ready(self)
-
-    def grads_ready(self) -> bool:
-        """Whether every trainable parameter got its gradient in this backward."""
-        return self._grads_ready >= self.group.num_trainable
-
-    def reset_backward(self) -> None:
-        """Forget this backward's gradient bookkeeping."""
-        self._grads_ready = 0
+        self.layout.sync_requires_grad()
 
     def has_unsharded_grads(self) -> bool:
         """Whether any full gradient waits to be reduced."""
-        return self.group.has_unsharded_grads()
+        return self.layout.has_unsharded_grads()
 
     def divide_plan(self, reduce_dtype: torch.dtype) -> DividePlan:
         """Where this unit's next reduction divides; see [Note: Communication controls]."""
@@ -444,11 +416,14 @@ class Unit:
         # own split (see [Note: Divide factors]) unless a factor or a hook makes it visible.
         visible = factor is not None or self.all_reduce_hook is not None
         if self.force_sum_reduction_for_comms or (narrow and visible):
-            before, after = _sum_split(float(dp_size) if factor is None else factor, reduce_dtype)
+            # fp32 and bf16 divide once, after the sum; narrower dtypes split the division
+            # around it (see [Note: Divide factors] in shard-comms).
+            total = float(dp_size) if factor is None else factor
+            before, after = (1.0, total) if not narrow else divide_factors(total)
             return DividePlan(before, 1.0, 1.0, after)
         if factor is not None:  # one division of the full sum, before the hook
             return DividePlan(1.0, 1.0 if hsdp else factor, factor if hsdp else 1.0, 1.0)
-        pre, post = default_divide_factors(dp_size)
+        pre, post = divide_factors(dp_size)
         return DividePlan(pre, 1.0 if hsdp else post, post if hsdp else 1.0, 1.0)
 
     def grad_reducer(self, plan: DividePlan, *, replicas: bool = True) -> DefaultGradReducer:
@@ -473,114 +448,103 @@ class Unit:
             label=self.comm_label,
         )
 
-    def reduce_grads(self) -> PendingReduce | None:
+    def reduce_grads(self) -> IssuedReduction | None:
         """Issue the reduction of this unit's full gradients; ``None`` if there are none.
 
-        The result is averaged over every data-parallel rank (shard x
-        replicate) unless the unit's communication controls say otherwise (see
-        [Note: Communication controls]). With ``reduce_scatter_unused_params``
-        a unit that got no gradient reduces zeros. A ``comm_hook`` replaces
-        the reduce-scatter (and the replica all-reduce when it can run at
-        once); everything else is the same code (see [Note: Comm hooks on the
-        one reduction path]).
+        Step 3 of [Note: the path of one gradient] in ``_reduction.py``. The
+        result is averaged over every data-parallel rank (shard x replicate)
+        unless the unit's communication controls say otherwise (see [Note:
+        Communication controls]). With ``reduce_scatter_unused_params`` a unit
+        that got no gradient reduces zeros. A ``comm_hook`` replaces the
+        reduce-scatter (and the replica all-reduce when it can run at once);
+        everything else is the same code (see [Note: Comm hooks on the one
+        reduction path]).
         """
-        if self.group.num_trainable == 0 or not (
-            self.group.has_unsharded_grads() or self.reduce_scatter_unused_params
+        if self.layout.num_trainable == 0 or not (
+            self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params
         ):
             return None
-        if self._pending_reduce is not None:
-            # See [Note: a backward that is not the last] in _state.py.
-            self._pending_reduce.finish()
+        # One unit's reductions land in the order issued; see [Note: a backward that is not
+        # the last] in _state.py.
+        self.reductions.land()
         reduce_dtype = self._reduce_dtype()
         plan = self.divide_plan(reduce_dtype)
-        hook = self.comm_hook
-        all_reduce_now = self.requires_all_reduce
         # See [Note: Comm hooks on the one reduction path].
         hook_replicates = (
-            hook is not None
+            self.comm_hook is not None
             and self.replicate_group is not None
-            and all_reduce_now
-            and self._partial_reduce is None
+            and self.requires_all_reduce
+            and self.reductions.partial is None
         )
         reducer = self.grad_reducer(plan)
+        hook_reducer = (
+            None
+            if self.comm_hook is None
+            else reducer
+            if hook_replicates
+            else self.grad_reducer(plan, replicas=False)
+        )
+        work, output, event, presence, full = self._start_reduction(
+            reducer, hook_reducer, reduce_dtype
+        )
+        issued = IssuedReduction(
+            owner=self.reductions,
+            work=work,
+            output=output,
+            issued=event,
+            presence=presence,
+            replicas=reducer if self.replicate_group is not None and not hook_replicates else None,
+            all_reduce_now=self.requires_all_reduce,
+            zero_unused=self.reduce_scatter_unused_params,
+            all_reduce_hook=self.all_reduce_hook,
+            all_reduce_hook_stream=self.all_reduce_hook_stream,
+            after_hook=plan.after_hook,
+            keep_alive=(full,),
+        )
+        self.reductions.issued = issued
+        return issued
+
+    def _start_reduction(
+        self,
+        reducer: DefaultGradReducer,
+        hook_reducer: DefaultGradReducer | None,
+        reduce_dtype: torch.dtype,
+    ) -> tuple[CommHandle, torch.Tensor, EventLike, GradPresence, torch.Tensor]:
+        """Copy the gradients in and start the collective on the reduce-scatter stream.
+
+        ``reducer`` runs the default path; ``hook_reducer`` is what the comm
+        hook, if there is one, is handed. Returns the collective's handle, its
+        output, the event that ends it on the stream, which parameters had a
+        gradient, and the input (held until the collective completes).
+        """
         group = reducer.group
         assert group is not None
+        hook = self.comm_hook
         # See [Note: Stream ordering] in _comm.py.
         streams = self.streams
         stream = streams.reduce_scatter
         stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
-            full = self.group.reduce_input(self.shard_world, reduce_dtype, self.compute_device)
+            full, presence = self.layout.reduce_input(
+                self.shard_world, reduce_dtype, self.compute_device
+            )
             into: torch.Tensor | None = None  # a custom reduce-scatter allocates its own
             if self.custom_reduce_scatter is None and self._group_allocates(group):
                 staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
                 full = staged.copy_(full)
                 into = comm_buffer(
-                    self.group.reduce_numel(), reduce_dtype, self.compute_device, group
+                    self.layout.reduce_numel(), reduce_dtype, self.compute_device, group
                 )
             elif self.custom_reduce_scatter is None or hook is not None:
                 into = torch.empty(
-                    self.group.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
+                    self.layout.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
                 )
             if hook is None:
                 output, work = reducer.scatter(full, into, async_op=True)
             else:
                 assert into is not None
-                hook_reducer = (
-                    reducer if hook_replicates else self.grad_reducer(plan, replicas=False)
-                )
+                assert hook_reducer is not None
                 reduce_gradient(full, into, hook_reducer, hook)
                 output, work = into, CommHandle(None, None)
-            done = stream.record_event()
-        all_reduce_hook = self.all_reduce_hook
-
-        def finish() -> None:
-            if self._pending_reduce is pending:
-                self._pending_reduce = None
-            done.wait(streams.current())
-            if self.replicate_group is not None and not hook_replicates:
-                if self._partial_reduce is not None:
-                    output.add_(self._partial_reduce)
-                    self._partial_reduce = None
-                if not all_reduce_now:
-                    self._partial_reduce = output
-                    return
-                reducer.all_reduce_replicas(output)
-            if all_reduce_hook is not None:
-                self._run_all_reduce_hook(all_reduce_hook, output)
-            if plan.after_hook != 1.0:
-                output.div_(plan.after_hook)
-            self.group.accumulate(output)
-
-        pending = PendingReduce(work, finish, keep_alive=(full,))
-        self._pending_reduce = pending
-        return pending
-
-    def _run_all_reduce_hook(
-        self, hook: Callable[[torch.Tensor], None], output: torch.Tensor
-    ) -> None:
-        """Call ``hook`` on the reduced shard, on the user's stream when one was given."""
-        hook_stream = self.all_reduce_hook_stream
-        if hook_stream is None:
-            hook(output)
-            return
-        streams = self.streams
-        hook_stream.wait_stream(streams.current())
-        with streams.handle.stream(hook_stream):
-            hook(output)
-        streams.current().wait_stream(hook_stream)
-
-
-def _weak_grad_hook(unit: Unit) -> Callable[[torch.Tensor], None]:
-    """``unit._on_grad_ready``, holding the unit weakly.
-
-    See [Note: Gradient hooks hold the unit weakly].
-    """
-    ref = weakref.ref(unit)
-
-    def on_grad_ready(param: torch.Tensor) -> None:
-        live = ref()
-        if live is not None:
-            live._on_grad_ready(param)
-
-    return on_grad_ready
+            event = stream.record_event()
+        return work, output, event, presence, full

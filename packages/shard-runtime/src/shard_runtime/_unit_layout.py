@@ -19,12 +19,63 @@ parameters, so that a reduce-scatter leaves each rank its own row.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 
-__all__ = ["UnitLayout"]
+from shard_core.errors import LayoutError
+
+__all__ = [
+    "GradPresence",
+    "ParamFacts",
+    "ReplacementCheck",
+    "UnitLayout",
+    "check_one_dtype",
+    "merge_presence",
+]
+
+# Which trainable parameters had a gradient on this rank when a reduction was issued, in
+# the layout's order; ``None``: the layout does not tell (every parameter counts as sent).
+GradPresence = tuple[bool, ...] | None
+
+
+def check_one_dtype(where: str, dtypes: Sequence[tuple[str, torch.dtype]], fix: str) -> None:
+    """Raise unless every parameter of a unit has one dtype (one collective moves them all).
+
+    ``where`` starts the message (the front end and the unit), ``dtypes``
+    names each parameter's dtype, ``fix`` says what to do in that front end.
+    ``LayoutError`` is a ``ValueError``, as PyTorch's FSDP raises for a flat
+    parameter of mixed dtypes.
+    """
+    distinct = {dtype for _, dtype in dtypes}
+    if len(distinct) <= 1:
+        return
+    listed = ", ".join(f"{fqn} ({str(dtype).removeprefix('torch.')})" for fqn, dtype in dtypes)
+    raise LayoutError(
+        f"{where}: the parameters of one unit are gathered in one dtype, but they mix "
+        f"{len(distinct)}: {listed}; {fix}"
+    )
+
+
+def merge_presence(first: GradPresence, second: GradPresence) -> GradPresence:
+    """The presence of two reductions summed into one: a gradient in either counts."""
+    if first is None or second is None:
+        return None
+    return tuple(a or b for a, b in zip(first, second, strict=True))
+
+
+# ``check(fqn, new, old)`` raises unless ``new`` may replace the sharded parameter ``old``.
+ReplacementCheck = Callable[[str, object, torch.nn.Parameter], None]
+
+
+class ParamFacts(NamedTuple):
+    """What every rank must agree on about one parameter (see ``_fingerprint.py``)."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
 
 
 class UnitLayout(Protocol):
@@ -125,14 +176,20 @@ class UnitLayout(Protocol):
         ...
 
     def drop_unsharded_grads(self) -> None:
-        """Forget every full gradient not reduced yet (a step abandoned after an error)."""
+        """Forget every full gradient not reduced yet (a step abandoned after an error).
+
+        Reductions already issued are not the layout's: see ``_reduction.py``.
+        """
         ...
 
-    def reduce_input(self, world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def reduce_input(
+        self, world: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, GradPresence]:
         """The full gradients as a 1-D ``world * reduce_numel`` buffer, zero-padded.
 
         The full gradients are released; the buffer is scratch for the
-        collective.
+        collective. Returned with which parameters had a gradient, which
+        :meth:`accumulate` needs when the reduction lands.
         """
         ...
 
@@ -140,8 +197,31 @@ class UnitLayout(Protocol):
         """Elements of one rank's reduced gradient shard."""
         ...
 
-    def accumulate(self, output: torch.Tensor) -> None:
-        """Add the reduced gradient shard ``output`` to the sharded gradients."""
+    def accumulate(
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+    ) -> None:
+        """Add the reduced gradient shard ``output`` to the sharded gradients.
+
+        ``presence`` is what :meth:`reduce_input` returned (merged over the
+        reductions summed into ``output``). A parameter no rank sent a gradient
+        for keeps ``grad`` ``None``, as in PyTorch, unless ``zero_unused``
+        (``reduce_scatter_unused_params``) gives it zeros.
+        """
+        ...
+
+    def describe_params(self, label: str) -> list[ParamFacts]:
+        """Every parameter's name (under the unit's ``label``), full shape, dtype and flag."""
+        ...
+
+    def adopt_replaced_params(self, check: ReplacementCheck) -> bool:
+        """Adopt sharded parameters the user registered in place of the layout's own.
+
+        ``check(fqn, new, old)`` raises unless ``new`` can stand in for
+        ``old``. Returns whether anything was adopted (the caller then
+        rebuilds the unsharded face). See [Note: parameters replaced before
+        the first forward] in ``_state.py``; a layout that registers no
+        sharded parameters adopts nothing.
+        """
         ...
 
     def requires_grad_changed(self) -> bool:

@@ -55,10 +55,10 @@ from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._clip import clip_grad_norm
 from shard_runtime._flat_buffer_layout import FlatBufferLayout, FlatParamSpec
+from shard_runtime._front_end import BackwardPrefetchMode, FrontEndRules
+from shard_runtime._module_tree import owned_params
 from shard_runtime._options import MixedPrecisionPolicy
-from shard_runtime._order import ForwardOrderChecker, order_check_enabled
-from shard_runtime._param import ParamOwner
-from shard_runtime._state import WRAPPED_PREFIX, UnitState, clean_fqn, get_state, states_in
+from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._state_dict_type import (
     OptimStateDictConfig,
     StateDictConfig,
@@ -68,6 +68,7 @@ from shard_runtime._state_dict_type import (
 )
 from shard_runtime._summon import FLAT_PARAM, SummonMethods, summon
 from shard_runtime._unit import TrainingState, Unit
+from shard_runtime._unit_layout import check_one_dtype
 from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
     materialize_module,
@@ -78,6 +79,7 @@ from shard_runtime._wrapper_init import (
 from shard_runtime._wrapper_init import (
     sync_module_states as broadcast_module_states,
 )
+from shard_runtime._wrapper_names import WRAPPED, WRAPPED_PREFIX, clean_fqn
 from shard_runtime._wrapper_optim import OptimStateDictMethods
 from shard_runtime._wrapper_options import (
     HYBRID_STRATEGIES,
@@ -87,11 +89,15 @@ from shard_runtime._wrapper_options import (
     MixedPrecision,
     ShardingStrategy,
 )
-from shard_runtime._wrapper_unit_view import record_buffer_dtype
+from shard_runtime._wrapper_unit_view import record_buffer_dtype, set_flat_layout
 
 __all__ = ["FullyShardedDataParallel"]
 
-_WRAPPED = "_fsdp_wrapped_module"
+_BACKWARD_PREFETCH: dict[BackwardPrefetch | None, BackwardPrefetchMode] = {
+    BackwardPrefetch.BACKWARD_PRE: "pre",
+    BackwardPrefetch.BACKWARD_POST: "post",
+    None: "none",
+}
 
 
 class _Shared:
@@ -219,13 +225,18 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         _check_frozen_mix(
             specs, self.use_orig_params, type(module).__name__, warn=self._made_by_policy
         )
-        _check_one_dtype(specs, type(module).__name__)
+        check_one_dtype(
+            f"FullyShardedDataParallel({type(module).__name__})",
+            [(spec.fqn, spec.param.dtype) for spec in specs],
+            "cast them to one dtype (module.to(dtype)) or wrap the differently typed submodule "
+            "as its own unit (an auto_wrap_policy)",
+        )
         shard_rank = mesh.get_local_rank(mesh.ndim - 1)
         shard_device = (
             torch.device("cpu") if self.cpu_offload.offload_params else shared.compute_device
         )
         mp = self.mixed_precision
-        group = FlatBufferLayout(
+        layout = FlatBufferLayout(
             specs,
             rank=shard_rank,
             world=mesh.size(-1),
@@ -233,8 +244,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             use_orig_params=self.use_orig_params,
             keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         )
-        if group.flat_param is not None:
-            self.register_parameter(FLAT_PARAM, group.flat_param)
+        if layout.flat_param is not None:
+            self.register_parameter(FLAT_PARAM, layout.flat_param)
         policy = MixedPrecisionPolicy(
             param_dtype=mp.param_dtype if mp else None,
             reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if mp else None,
@@ -242,36 +253,28 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         )
         if mp is not None and mp.buffer_dtype is not None:
             _cast_buffers(module, mp.buffer_dtype, shared.ignored_modules)
+        # FSDP1's rules; see [Note: the root] in _state.py.
+        rules = FrontEndRules(
+            api="FullyShardedDataParallel",
+            early_forward_is_error=True,
+            root_keeps_params_for_backward=True,
+            clean_name=clean_fqn,
+            backward_prefetch=_BACKWARD_PREFETCH[self.backward_prefetch],
+            forward_prefetch=self.forward_prefetch,
+            limit_all_gathers=self.limit_all_gathers,
+            cast_root_inputs=bool(mp and mp.cast_root_forward_inputs),
+        )
         unit = Unit(
             label=type(module).__name__,
-            group=group,
+            layout=layout,
             mesh=mesh,
             mp_policy=policy,
             compute_device=shared.compute_device,
-        )
-        prefetch = {
-            BackwardPrefetch.BACKWARD_PRE: "pre",
-            BackwardPrefetch.BACKWARD_POST: "post",
-            None: "none",
-        }[self.backward_prefetch]
-        state = UnitState(
-            [self],
-            unit,
+            api=rules.api,
             reshard_after_forward=self.sharding_strategy in RESHARD_AFTER_FORWARD,
-            mp_policy=policy,
-            backward_prefetch_mode=prefetch,  # type: ignore[arg-type]
-            forward_prefetch_implicit=self.forward_prefetch,
-            cast_root_inputs=bool(mp and mp.cast_root_forward_inputs),
-            limit_all_gathers=self.limit_all_gathers,
         )
-        for inner in states_in([module]):
-            if inner.parent is None:
-                inner.parent = state
-        state.name_inner_units()
-        if order_check_enabled():
-            checker = ForwardOrderChecker(None)
-            state.on_forward_gather = checker.record
-            state.on_iteration_end = checker.end_iteration
+        state = UnitState([self], unit, rules=rules, mp_policy=policy)
+        set_flat_layout(state, layout)
         unit.reshard()
         self.register_state_dict_post_hook(_strip_prefixes)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(_restore_prefixes)  # type: ignore[no-untyped-call]
@@ -282,7 +285,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
     @property
     def module(self) -> nn.Module:
         """The wrapped module."""
-        wrapped = self._modules[_WRAPPED]
+        wrapped = self._modules[WRAPPED]
         assert wrapped is not None
         return wrapped
 
@@ -293,7 +296,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._modules[_WRAPPED], name)
+            return getattr(self._modules[WRAPPED], name)
 
     def __getitem__(self, key: int) -> Any:
         return self.module.__getitem__(key)  # type: ignore[operator]
@@ -308,7 +311,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         flat = {id(w._parameters.get(FLAT_PARAM)) for w in self.fsdp_modules(self)}
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             if id(param) in flat:
-                name = name[: -len(FLAT_PARAM)] + f"{_WRAPPED}.{FLAT_PARAM}"
+                name = name[: -len(FLAT_PARAM)] + f"{WRAPPED}.{FLAT_PARAM}"
             yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), param
 
     def named_buffers(
@@ -319,11 +322,9 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), buffer
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        state = _state(self)
-        state.unit.reshard()
-        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-        state.unit.reset_after_apply()
-        return result
+        return _state(self).around_apply(
+            lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        )
 
     # ------------------------------------------------------------------ state dicts
 
@@ -546,11 +547,6 @@ def _prepare(
     sync: bool,
 ) -> _Shared:
     """What the outermost wrapper decides once for the whole model."""
-    if param_init_fn is not None and not callable(param_init_fn):
-        raise ValueError(
-            f"FullyShardedDataParallel: param_init_fn must be callable, got "
-            f"{type(param_init_fn).__name__}"
-        )
     modules, params = resolve_ignored(module, ignored_modules, ignored_states)
     device = requested_device(device_id)
     materialize_module(module, param_init_fn, device, modules)
@@ -676,28 +672,20 @@ def _collect_specs(
     ignored_params: frozenset[nn.Parameter],
 ) -> list[FlatParamSpec]:
     """The parameters this wrapper flattens: not ignored, not inside an inner wrapper."""
-    found: dict[int, tuple[str, nn.Parameter, list[ParamOwner]]] = {}
 
-    def visit(mod: nn.Module, prefix: str) -> None:
+    def enter(mod: nn.Module, prefix: str) -> bool:
         if mod in ignored_modules or isinstance(mod, FullyShardedDataParallel):
-            return
+            return False
         if get_state(mod) is not None:
             raise ValueError(
                 f"FullyShardedDataParallel: submodule {prefix[:-1]!r} ({type(mod).__name__}) "
                 "is already sharded by fully_shard; shard a model with one front end, "
                 "fully_shard or FullyShardedDataParallel"
             )
-        for name, param in mod._parameters.items():
-            if param is None or param in ignored_params:
-                continue
-            entry = found.setdefault(id(param), (prefix + name, param, []))
-            entry[2].append(ParamOwner(mod, name))
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.")
+        return True
 
-    visit(module, "")
-    return [FlatParamSpec(fqn, param, owners) for fqn, param, owners in found.values()]
+    params = owned_params([module], enter=enter, take=lambda p: p not in ignored_params)
+    return [FlatParamSpec(fqn, param, owners) for fqn, param, owners in params]
 
 
 def _check_same_use_orig_params(outer: FullyShardedDataParallel, module: nn.Module) -> None:
@@ -748,20 +736,6 @@ def _check_frozen_mix(
     )
 
 
-def _check_one_dtype(specs: list[FlatParamSpec], name: str) -> None:
-    """One flat buffer holds one dtype: refuse a mix (``ValueError``, as PyTorch's FSDP)."""
-    dtypes = {s.param.dtype for s in specs}
-    if len(dtypes) <= 1:
-        return
-    listed = ", ".join(f"{s.fqn} ({str(s.param.dtype).removeprefix('torch.')})" for s in specs)
-    raise ValueError(
-        f"FullyShardedDataParallel({name}): one flat parameter holds one dtype, but this "
-        f"unit's parameters mix {len(dtypes)}: {listed}; cast them to one dtype "
-        "(module.to(dtype)) or wrap the differently typed submodule as its own unit "
-        "(an auto_wrap_policy)"
-    )
-
-
 def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: frozenset[nn.Module]) -> None:
     """Cast floating buffers to ``dtype``, remembering each one's dtype for state dicts."""
     for mod in module.modules():
@@ -776,7 +750,7 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: frozenset[nn.M
 def _strip_prefixes(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
-    for key in [k for k in state_dict if WRAPPED_PREFIX in k or k.endswith(_WRAPPED)]:
+    for key in [k for k in state_dict if WRAPPED_PREFIX in k or k.endswith(WRAPPED)]:
         state_dict[clean_fqn(key)] = state_dict.pop(key)
 
 

@@ -32,7 +32,6 @@ PyTorch's wrapper it accepts CPU tensors (gloo broadcasts them).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
@@ -42,6 +41,7 @@ from torch import nn
 from shard_comms import broadcast, get_device_handle
 from shard_core.errors import DeviceUnavailableError, LayoutError
 from shard_runtime._fingerprint import check_same_tensors
+from shard_runtime._module_tree import modules_breadth_first
 from shard_runtime._state import get_state
 
 __all__ = [
@@ -112,7 +112,7 @@ def resolve_ignored(
             )
     modules: dict[int, nn.Module] = {}
     for top in listed_modules:
-        for module in _walk(top, _is_sharded):
+        for module in modules_breadth_first(top, _is_sharded):
             modules.setdefault(id(module), module)
     if id(root) in modules:
         raise ValueError(
@@ -212,19 +212,19 @@ def materialize_module(
     def stop(child: nn.Module) -> bool:
         return child in ignored_modules or _is_sharded(child)
 
-    order = _walk(module, stop)
+    order = modules_breadth_first(module, stop)
     if not any(t.is_meta for m in order for t in _own_states(m)):
         return
     if param_init_fn is None:
         _reset_meta_modules(module, order, device)
         return
     for target in order:
-        if any(t.is_meta for m in _walk(target, stop) for t in _own_states(m)):
+        if any(t.is_meta for m in modules_breadth_first(target, stop) for t in _own_states(m)):
             param_init_fn(target)
     names = _Names(module)
     left = [
         repr(name)
-        for m in _walk(module, stop)
+        for m in modules_breadth_first(module, stop)
         for name, t in _named_own_states(m, names)
         if t.is_meta
     ]
@@ -320,7 +320,7 @@ def move_to_device(
     names = _Names(module)
     states = [
         (name, t)
-        for m in _walk(module, lambda c: c in ignored_modules or _is_sharded(c))
+        for m in modules_breadth_first(module, lambda c: c in ignored_modules or _is_sharded(c))
         for name, t in _named_own_states(m, names)
         if not t.is_meta and not (isinstance(t, nn.Parameter) and t in ignored_params)
     ]
@@ -450,7 +450,7 @@ def sync_module_states(
     states = _unique(
         [
             (name, t)
-            for m in _walk(module, lambda c: c in ignored_modules or _is_sharded(c))
+            for m in modules_breadth_first(module, lambda c: c in ignored_modules or _is_sharded(c))
             for name, t in _named_own_states(m, names)
             if not (isinstance(t, nn.Parameter) and t in ignored_params)
         ]
@@ -501,21 +501,6 @@ def _is_sharded(module: nn.Module) -> bool:
     return get_state(module) is not None or any(
         cls.__name__ == _FOREIGN_WRAPPER_NAME for cls in type(module).__mro__
     )
-
-
-def _walk(root: nn.Module, stop: Callable[[nn.Module], bool]) -> list[nn.Module]:
-    """``root`` and its submodules breadth-first, each once, not entering ``stop`` modules."""
-    order = [root]
-    seen = {id(root)}
-    queue = deque([root])
-    while queue:
-        for child in queue.popleft().children():
-            if id(child) in seen or stop(child):
-                continue
-            seen.add(id(child))
-            order.append(child)
-            queue.append(child)
-    return order
 
 
 def _own_states(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -11,6 +11,7 @@ objects (states, param groups) private.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -20,18 +21,37 @@ from torch.distributed.device_mesh import DeviceMesh
 from shard_comms import all_gather
 from shard_core import FlatLayout, ShardMetadata
 from shard_runtime._flat_buffer_layout import FlatBufferLayout
-from shard_runtime._state import UnitState, clean_fqn, get_state
+from shard_runtime._state import UnitState, get_state
 from shard_runtime._unit import ShardedState
+from shard_runtime._wrapper_names import clean_fqn
 
 __all__ = [
     "FlatUnit",
     "FlatUnitParam",
+    "flat_layout_of",
     "flat_units",
     "original_buffer_dtypes",
     "record_buffer_dtype",
+    "set_flat_layout",
 ]
 
 _BUFFER_DTYPES = "_shard_buffer_dtypes"
+_FLAT_LAYOUT = "_shard_flat_layout"
+
+
+def set_flat_layout(state: UnitState, layout: FlatBufferLayout) -> None:
+    """Record the flat layout the wrapper built for ``state``'s unit.
+
+    The engine sees a unit's layout only through the ``UnitLayout``
+    protocol; the wrapper's own views (state dicts, ``summon_full_params``)
+    need the flat buffer itself, so the wrapper keeps it here, on its module.
+    """
+    state.modules[0].__dict__[_FLAT_LAYOUT] = layout
+
+
+def flat_layout_of(state: UnitState) -> FlatBufferLayout | None:
+    """The flat layout of a wrapper's unit; ``None`` for a unit ``fully_shard`` built."""
+    return cast("FlatBufferLayout | None", state.modules[0].__dict__.get(_FLAT_LAYOUT))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +106,9 @@ class FlatUnit:
     @property
     def shard(self) -> torch.Tensor:
         """This rank's flat shard: ``layout.shard_numel(world)`` elements, zero-padded."""
-        group = self._state.unit.group
-        assert isinstance(group, FlatBufferLayout)
-        return group.shard
+        layout = flat_layout_of(self._state)
+        assert layout is not None  # flat_units lists wrapper units only
+        return layout.shard
 
     @property
     def shard_numel(self) -> int:
@@ -130,34 +150,31 @@ def flat_units(model: nn.Module) -> list[FlatUnit]:
     names = {id(m): clean_fqn(n) for n, m in model.named_modules(remove_duplicate=False)}
     units: list[FlatUnit] = []
     seen: set[int] = set()
-    # Only the wrapper builds flat groups, so a flat group marks a wrapper's unit
-    # (no import of _wrapper.py, which imports this module).
     for wrapper in model.modules():
         state = get_state(wrapper)
         if state is None or id(state) in seen:
             continue
         seen.add(id(state))
-        group = state.unit.group
-        if group.is_empty or not isinstance(group, FlatBufferLayout):
-            continue
-        assert group.layout is not None
+        layout = flat_layout_of(state)
+        if layout is None or layout.flat_layout is None:
+            continue  # a fully_shard unit, or a wrapper whose children hold every parameter
         params = tuple(
             FlatUnitParam(
                 keys=tuple(_join(names[id(o.module)], o.name) for o in spec.owners),
                 shape=torch.Size(shape.shape),
-                param=spec.param if group.use_orig_params else None,
+                param=spec.param if layout.use_orig_params else None,
             )
-            for spec, shape in zip(group.specs, group.layout.params, strict=True)
+            for spec, shape in zip(layout.specs, layout.flat_layout.params, strict=True)
         )
         units.append(
             FlatUnit(
                 wrapper=wrapper,
                 params=params,
-                layout=group.layout,
-                rank=group.rank,
-                world=group.world,
+                layout=layout.flat_layout,
+                rank=layout.rank,
+                world=layout.world,
                 mesh=state.unit.mesh,
-                flat_param=group.flat_param,
+                flat_param=layout.flat_param,
                 compute_device=state.unit.compute_device,
                 _state=state,
             )

@@ -20,8 +20,8 @@ from shard_runtime._flat_placement import (
     is_flat_layout,
 )
 from shard_runtime._param import ShardedParam
-from shard_runtime._state import clean_fqn
 from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
+from shard_runtime._wrapper_names import clean_fqn
 from shard_runtime._wrapper_unit_view import (
     FlatUnit,
     FlatUnitParam,
