@@ -122,20 +122,20 @@ def _summon_unit(
 ) -> Iterator[None]:
     wrapper = state.modules[0]
     if not isinstance(wrapper, SummonMethods):
-        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, None):
+        with _summon_layout(state, writeback, rank0_only, offload_to_cpu, with_grads, None):
             yield
         return
     was_in_summon = wrapper._in_summon
     wrapper._in_summon = True
     try:
-        with _summon_group(state, writeback, rank0_only, offload_to_cpu, with_grads, wrapper):
+        with _summon_layout(state, writeback, rank0_only, offload_to_cpu, with_grads, wrapper):
             yield
     finally:
         wrapper._in_summon = was_in_summon
 
 
 @contextlib.contextmanager
-def _summon_group(
+def _summon_layout(
     state: UnitState,
     writeback: bool,
     rank0_only: bool,
@@ -144,22 +144,22 @@ def _summon_group(
     wrapper: nn.Module | None,
 ) -> Iterator[None]:
     unit = state.unit
-    group = flat_layout_of(state)
-    if group is None or group.is_empty:
+    layout = flat_layout_of(state)
+    if layout is None or layout.is_empty:
         yield  # a fully_shard unit's parameters are not summoned
         return
     if unit.sharded_state is not ShardedState.SHARDED:
         unit.reshard()
     device = unit.compute_device
-    shard = group.shard.to(device)
+    shard = layout.shard.to(device)
     full = torch.empty(unit.shard_world * shard.numel(), dtype=shard.dtype, device=device)
     all_gather(full, shard, unit.shard_group, label=f"{unit.comm_label} summon").wait()
     full_grad: torch.Tensor | None = None
     had_grad: list[bool] = []
     if with_grads:
-        had_grad = [spec.param.grad is not None for spec in group.specs]
+        had_grad = [spec.param.grad is not None for spec in layout.specs]
         local_grad = torch.zeros_like(shard)
-        for spec, info in zip(group.shard_specs(), group.shard_meta.params, strict=True):
+        for spec, info in zip(layout.shard_specs(), layout.shard_meta.params, strict=True):
             if spec.param.grad is not None:
                 local_grad.narrow(0, info.offset_in_range, info.numel_in_range).copy_(
                     spec.param.grad.reshape(-1)
@@ -181,25 +181,25 @@ def _summon_group(
         flat = wrapper._parameters.pop(FLAT_PARAM, None) if wrapper is not None else None
         if wrapper is not None and flat is not None:
             restore.callback(wrapper._parameters.__setitem__, FLAT_PARAM, flat)
-        restore.enter_context(group.full_precision_views(full))
+        restore.enter_context(layout.full_precision_views(full))
         if full_grad is not None:
-            for spec, grad in zip(group.specs, group.full_views(full_grad), strict=True):
+            for spec, grad in zip(layout.specs, layout.full_views(full_grad), strict=True):
                 spec.param.grad = grad
         try:
             yield
         finally:
             if writeback:
                 with torch.no_grad():
-                    group.shard.copy_(full[rank * n : (rank + 1) * n])
+                    layout.shard.copy_(full[rank * n : (rank + 1) * n])
             if full_grad is not None:
-                for spec in group.specs:
+                for spec in layout.specs:
                     spec.param.grad = None
     if full_grad is not None:
         # Back on the shard views: restore each parameter's sharded gradient, and no
         # gradient where there was none (an optimizer treats zeros and None differently).
-        group.accumulate(
+        layout.accumulate(
             full_grad[rank * n : (rank + 1) * n].to(unit.compute_device), None, zero_unused=False
         )
-        for spec, had in zip(group.specs, had_grad, strict=True):
+        for spec, had in zip(layout.specs, had_grad, strict=True):
             if not had:
                 spec.param.grad = None
