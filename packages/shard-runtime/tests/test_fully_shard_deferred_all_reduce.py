@@ -52,3 +52,37 @@ def test_deferred_replica_all_reduce(rank_pool: RankPool) -> None:
         assert int(deferred["left_over"]) == 0
         for key in ("0.weight", "2.weight", "4.bias"):
             torch.testing.assert_close(deferred[key], eager[key])
+
+
+def _freeze_while_deferred() -> dict[str, object]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _blocks_model()
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    root: FSDPModule = model  # type: ignore[assignment]
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    root.set_requires_all_reduce(False)
+    model(x).sum().backward()  # the replica sums wait as partials
+    model[2].weight.requires_grad_(False)
+    try:
+        model(x)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_requires_grad_change_while_the_replica_all_reduce_waits_is_refused(
+    rank_pool: RankPool,
+) -> None:
+    """Freezing a parameter whose unit holds a deferred replica partial names the unit and fix.
+
+    The partial was reduce-scattered over the old set of trainable parameters,
+    so the next forward (where the change is read) refuses it instead of
+    all-reducing a partial of another layout.
+    """
+    for result in rank_pool.run(_freeze_while_deferred, 4):
+        assert result["error"] == (
+            "fully_shard(2): requires_grad of a parameter of 2.weight, 2.bias changed while its "
+            "gradients wait for the replica all-reduce (set_requires_all_reduce(False)); change "
+            "requires_grad after a backward with set_requires_all_reduce(True)"
+        )
