@@ -1,8 +1,10 @@
 """When a unit communicates: forward and backward hooks, and the root's step.
 
 One :class:`UnitState` per ``fully_shard`` call (shared by every module of a
-grouped call). It owns the unit and decides, from module hooks and autograd
-hooks, when the unit gathers, frees and reduces:
+grouped call) or wrapper; it holds no front-end branch: what differs between
+the two comes in as :class:`~shard_runtime._front_end.FrontEndRules`. It
+owns the unit and decides, from module hooks and autograd hooks, when the
+unit gathers, frees and reduces:
 
 - pre-forward: gather (or finish a prefetched gather), cast inputs;
 - post-forward: free (unless kept), remember the order, hook the outputs;
@@ -159,7 +161,8 @@ def states_in(modules: Iterable[nn.Module]) -> list[UnitState]:
 
 
 class UnitState:
-    """Hooks and step logic of one ``fully_shard`` call; see the module docstring."""
+    """Hooks and step logic of one unit (a ``fully_shard`` call or a wrapper); see the module
+    docstring."""
 
     def __init__(
         self,
@@ -174,7 +177,7 @@ class UnitState:
         self.unit = unit
         self.mp_policy = mp_policy
         self.rules = rules  # See [Note: the root].
-        # - tree, filled by fully_shard and the root's lazy init
+        # - tree: the parent is set when the enclosing state is built, the root at lazy init
         self.parent: UnitState | None = None
         self.root: UnitState | None = None
         # - root only; see [Note: the root]
