@@ -82,7 +82,7 @@ from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks, find_blocks, wrap_blocks
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._finetune import Finetuning, finetuned_source, parameter_counts
-from shard_cli._measure import StepTrace, profile_step
+from shard_cli._measured_steps import MeasuredSteps
 from shard_cli._model_source import (
     ModelSource,
     build_for_training,
@@ -107,18 +107,11 @@ from shard_cli._summary import RunSummary
 from shard_cli._tensorboard import MetricsWriter
 from shard_cli._train_checkpoint import launch_id, load_training, read_info, save_training
 from shard_cli.gpt import GPT, GPTConfig
-from shard_comms import CommCounts, count_collectives, get_device_handle, init_distributed
-from shard_core import StateBytes, held_bytes, state_bytes
+from shard_comms import CommCounts, get_device_handle, init_distributed
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 
 __all__ = ["predict", "predict_ranks", "run_worker"]
-
-# The reported peak is the smallest over these steps: on gloo a collective's buffers are
-# freed on the backend's thread when it lets go of them, so a step's measured peak can
-# only grow by that timing; five steps make all of them late rarely (three did: a
-# tiny-preset run measured 3.11 MB against 2.61-2.81 MB in the others).
-_PROFILED_STEPS = 5
 
 # Test hook: the last rank SIGKILLs itself at the start of this step, first attempt only.
 _KILL_AT_STEP_ENV = "SHARD_TRAIN_TEST_KILL_AT_STEP"
@@ -175,6 +168,17 @@ def _check_restart_store() -> None:
             "(pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
             "environment of torchrun (shard train --max-restarts does)"
         )
+
+
+def _kill_if_asked(step: int, kill_at: int | None) -> None:
+    """SIGKILL this process at the start of step ``kill_at`` (test hook, see [Note: restarts]).
+
+    stdout is flushed first: SIGKILL drops whatever the buffer still holds, and the test
+    reads the steps printed before the kill.
+    """
+    if step == kill_at:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _seed_step(seed: int, step: int, rank: int) -> None:
@@ -583,89 +587,118 @@ class _Run:
     def train(self) -> RunSummary:
         """Run the steps from the checkpoint (or 1) to ``--steps``; rank 0 reports."""
         options = self.options
-        first = self.start + 1
-        if first > options.steps:
-            raise RuntimeError(
-                f"--resume: the checkpoint is at step {self.start} and --steps is "
-                f"{options.steps}; pass a larger --steps to train further"
-            )
-        measured = options.measure_step or min(first + 1, options.steps)
-        measured = min(max(measured, first), options.steps)
-        profiled = range(measured, min(measured + _PROFILED_STEPS, options.steps + 1))
+        first = self._first_step()
+        measured = MeasuredSteps.of(first, options.steps, options.measure_step)
         progress = Progress(sys.stdout, first=first, last=options.steps, tty=sys.stdout.isatty())
         if self.rank == 0:
             print(self._banner(first), flush=True)
         tokens_per_step = self.world * options.batch * options.grad_accum * options.seq
         losses: list[float] = []
-        traces: list[StepTrace] = []
-        counts = CommCounts()
-        held = StateBytes(0, 0, 0)
         handle = get_device_handle(self.device.type)
         handle.reset_peak_memory_stats()
         started = time.perf_counter()
         kill_at = self._kill_at()
         for step in range(first, options.steps + 1):
             self.current_step = step
-            if step == kill_at:
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+            _kill_if_asked(step, kill_at)
             _seed_step(options.seed, step, self.rank)
             began = time.perf_counter()
-            if step in profiled:
-                baseline = held_bytes([*self.model.parameters(), *_optim_tensors(self.optim)])
-                with count_collectives() as counts, profile_step(self.device, baseline) as trace:
-                    loss, norm = self._step(step)
-                traces.append(trace)
-                held = state_bytes(self.model, self.optim)
-            else:
-                loss, norm = self._step(step)
-            self.optim.zero_grad(set_to_none=True)
-            dist.all_reduce(loss)
-            value = float(loss) / self.world
-            losses.append(value)
+            loss, norm = self._run_step(step, measured)
+            losses.append(loss)
             elapsed = time.perf_counter() - started
-            if not math.isfinite(value):
-                raise FloatingPointError(
-                    f"the loss is {value} at step {step}; lower --lr (now {options.lr})"
-                )
+            self._check_finite(step, loss)
             if self.rank == 0:
                 rate = tokens_per_step * (step - first + 1) / elapsed
-                lr = self._lr(step)
-                self._log(step, value, lr, norm, rate, elapsed, time.perf_counter() - began)
-                progress.update(step, value, rate)
-            if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
-                save_training(
-                    options.checkpoint_path,
-                    model=self.model,
-                    optim=self.optim,
-                    frontend=options.frontend,
-                    mesh=self.mesh_for_ckpt,
-                    step=step,
-                    world_size=self.world,
-                )
+                self._report_step(step, loss, norm, rate, elapsed, began, progress)
+            self._checkpoint_if_due(step)
         wall = time.perf_counter() - started
+        self._close_output(progress)
+        rss_peak = int(handle.memory_stats().get("peak_allocated", 0))
+        ranks = self._gather_measurements(measured, rss_peak)
+        summary = self._summary(
+            ranks, losses, wall, measured.first, measured.counts, tokens_per_step
+        )
+        summary.measured_steps = len(measured.traces)
+        return summary
+
+    def _first_step(self) -> int:
+        """The step this launch starts at; an error when the checkpoint is at ``--steps``."""
+        if self.start + 1 > self.options.steps:
+            raise RuntimeError(
+                f"--resume: the checkpoint is at step {self.start} and --steps is "
+                f"{self.options.steps}; pass a larger --steps to train further"
+            )
+        return self.start + 1
+
+    def _run_step(self, step: int, measured: MeasuredSteps) -> tuple[float, float | None]:
+        """Step ``step`` (under the profiler if it is measured), then free its gradients.
+
+        Returns its loss averaged over the ranks (collective) and the pre-clip
+        gradient norm (``None`` without ``--clip-grad-norm``).
+        """
+        if step in measured:
+            loss, norm = measured.profile(
+                self.device, self.model, self.optim, lambda: self._step(step)
+            )
+        else:
+            loss, norm = self._step(step)
+        self.optim.zero_grad(set_to_none=True)
+        dist.all_reduce(loss)
+        return float(loss) / self.world, norm
+
+    def _check_finite(self, step: int, loss: float) -> None:
+        """Stop at the first loss that is not finite: the step has already applied the
+        gradients behind it to the parameters, so training would not recover."""
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"the loss is {loss} at step {step}; lower --lr (now {self.options.lr})"
+            )
+
+    def _report_step(
+        self,
+        step: int,
+        loss: float,
+        norm: float | None,
+        rate: float,
+        elapsed: float,
+        began: float,
+        progress: Progress,
+    ) -> None:
+        """Rank 0: the step's metrics (``_log``), then the progress display.
+
+        ``elapsed`` is the time since the launch's first step began, ``began``
+        the ``perf_counter`` at the start of this step.
+        """
+        lr = self._lr(step)
+        self._log(step, loss, lr, norm, rate, elapsed, time.perf_counter() - began)
+        progress.update(step, loss, rate)
+
+    def _checkpoint_if_due(self, step: int) -> None:
+        """Save after every ``--ckpt-every``-th step and after the last (collective)."""
+        options = self.options
+        if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
+            save_training(
+                options.checkpoint_path,
+                model=self.model,
+                optim=self.optim,
+                frontend=options.frontend,
+                mesh=self.mesh_for_ckpt,
+                step=step,
+                world_size=self.world,
+            )
+
+    def _close_output(self, progress: Progress) -> None:
+        """End the progress display (rank 0) and the TensorBoard metrics once the steps are done."""
         if self.rank == 0:
             progress.close()
         if self.metrics_writer is not None:
             self.metrics_writer.close()
-        rss = int(handle.memory_stats().get("peak_allocated", 0))
-        mine = {
-            "rank": self.rank,
-            "params": held.params,
-            "grads": held.grads,
-            "optim": held.optim,
-            "peak": min(t.peak_bytes for t in traces),
-            "peak_max": max(t.peak_bytes for t in traces),
-            "baseline": traces[-1].baseline_bytes,
-            "rss_peak": rss,
-            "step_s": sum(t.wall_s for t in traces) / len(traces),
-            "comm_s": sum(t.comm_s for t in traces) / len(traces),
-        }
+
+    def _gather_measurements(self, measured: MeasuredSteps, rss_peak: int) -> list[Any]:
+        """Every rank's ``MeasuredSteps.rank_record``, in rank order (collective)."""
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        summary = self._summary(gathered, losses, wall, measured, counts, tokens_per_step)
-        summary.measured_steps = len(traces)
-        return summary
+        dist.all_gather_object(gathered, measured.rank_record(self.rank, rss_peak))
+        return gathered
 
     def _kill_at(self) -> int | None:
         """The step at which this rank kills itself (test hook, see [Note: restarts])."""
@@ -835,15 +868,6 @@ class _Run:
         for line in summary_lines(summary, sample=text):
             print(line)
         sys.stdout.flush()
-
-
-def _optim_tensors(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [
-        value
-        for state in optim.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    ]
 
 
 def run_worker(options: TrainOptions) -> int:
