@@ -47,6 +47,7 @@ MODULE_DISTRIBUTIONS = {
     "pluggy": "pluggy",
     "pytest": "pytest",
     "_pytest": "pytest",
+    "hypothesis": "hypothesis",
     "safetensors": "safetensors",
     "tomli": "tomli",
     "torch": "torch",

@@ -2,7 +2,7 @@
 
     python tools/fuzz/run.py --minutes 10 --report fuzz.md [--seed 0] [--world-sizes 2,4]
 
-Hypothesis draws configurations (``shard_testing.differential.draw_config``)
+Hypothesis draws configurations (``shard_testing.differential.config_strategy``)
 in rounds of a few dozen; each runs under both libraries on a persistent
 ``RankPool``. Every configuration that differs is recorded and the run goes
 on. The first configuration of a new kind of failure (its ``signature``:
@@ -28,50 +28,25 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import strategies as st
 
 from shard_testing import RankFailure, RankPool, RankTimeout
 from shard_testing.differential import (
     Config,
-    draw_config,
+    config_strategy,
     first_discrepancy,
     known_bugs_in,
     run_config,
     signature,
 )
 
-T = TypeVar("T")
-
 ROUND = 25  # configurations per hypothesis round; the clock is checked between rounds too
 SHRINK_SECONDS = 120.0  # at most this long shrinking one new kind of failure
 RUN_TIMEOUT_S = 120.0  # one configuration on the pool (a hang shows after the collective timeout)
 COLLECTIVE_TIMEOUT_S = 20.0
-
-
-class _Sampled:
-    """The :class:`~shard_testing.differential.Pick` that hypothesis's ``draw`` makes."""
-
-    def __init__(self, draw: Any) -> None:
-        self._draw = draw
-
-    def __call__(self, options: Sequence[T], /) -> T:
-        value: T = self._draw(st.sampled_from(options))
-        return value
-
-
-def configs(world_sizes: Sequence[int]) -> st.SearchStrategy[Config]:
-    """Configurations on ``world_sizes`` ranks, shrinking towards the simplest."""
-
-    @st.composite
-    def build(draw: Any) -> Config:
-        return draw_config(_Sampled(draw), world_sizes=tuple(world_sizes))
-
-    strategy: st.SearchStrategy[Config] = build()
-    return strategy
 
 
 class _NewKind(Exception):
@@ -192,7 +167,7 @@ def fuzz(
                 verbosity=Verbosity.quiet,
             )
             @hypothesis_seed(seed * 100_003 + round_index)
-            @given(configs(world_sizes))
+            @given(config_strategy(world_sizes))
             def one_round(config: Config) -> None:
                 session.check(config)
 

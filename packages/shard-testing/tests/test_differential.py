@@ -10,47 +10,19 @@ run into a known, reported bug (``KNOWN_BUGS``) are skipped; see
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeVar
-
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
-from hypothesis import strategies as st
 
 from shard_testing import RankPool
 from shard_testing.differential import (
     BlockSpec,
     Config,
     Toggle,
-    draw_config,
+    config_strategy,
     first_discrepancy,
     known_bugs_in,
     run_config,
 )
-
-T = TypeVar("T")
-
-
-class _Sampled:
-    """The ``Pick`` hypothesis's ``draw`` makes: ``sampled_from`` shrinks to the first option."""
-
-    def __init__(self, draw: Any) -> None:
-        self._draw = draw
-
-    def __call__(self, options: Sequence[T], /) -> T:
-        value: T = self._draw(st.sampled_from(options))
-        return value
-
-
-def configs(world_sizes: Sequence[int]) -> st.SearchStrategy[Config]:
-    """Configurations on ``world_sizes`` ranks, shrinking towards the simplest."""
-
-    @st.composite
-    def build(draw: Any) -> Config:
-        return draw_config(_Sampled(draw), world_sizes=tuple(world_sizes))
-
-    strategy: st.SearchStrategy[Config] = build()
-    return strategy
 
 
 def assert_agrees(pool: RankPool, config: Config) -> None:
@@ -78,7 +50,7 @@ LORA = BlockSpec(kind="lora")
 
 
 @settings(SAMPLE, max_examples=50)
-@given(configs((2,)))
+@given(config_strategy((2,)))
 # requires_grad_ after sharding, both directions, in a LoRA unit and a plain one
 @example(
     Config(
@@ -153,7 +125,7 @@ def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
 
 
 @settings(SAMPLE, max_examples=8)
-@given(configs((4,)))
+@given(config_strategy((4,)))
 # HSDP on a 2 x 2 mesh, both front ends; an int reshard_after_forward (2 of 4 ranks)
 @example(Config(world_size=4, mesh=(2, 2), blocks=(LORA, BlockSpec()), microbatches=2))
 @example(Config(front_end="wrapper", world_size=4, mesh=(2, 2), strategy="HYBRID_SHARD", clip=0.5))

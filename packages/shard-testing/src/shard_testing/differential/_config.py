@@ -6,11 +6,12 @@ bools, tuples), so that it pickles to the ranks, prints as a Python literal
 (``repr``) that a standalone script can paste, and compares and hashes.
 :func:`draw_config` builds one from a :class:`Pick`, a function that picks
 one of a sequence of options. Hypothesis drives it with
-``lambda options: draw(st.sampled_from(options))`` (the tests and
-``tools/fuzz`` do), so that its shrinking works on the choices and so on
-the configuration; ``random.Random(seed).choice`` drives it without
-hypothesis. shard-testing does not depend on hypothesis: the space is
-described here, the adapter lives with whoever brings hypothesis.
+``lambda options: draw(st.sampled_from(options))`` (``config_strategy`` in
+``_hypothesis.py``, which the tests and ``tools/fuzz`` use), so that its
+shrinking works on the choices and so on the configuration;
+``random.Random(seed).choice`` drives it without hypothesis. shard-testing
+does not require hypothesis: the space is described here, and the adapter
+imports hypothesis only when called (the ``hypothesis`` extra brings it).
 
 Options are listed simplest first, because hypothesis shrinks a
 ``sampled_from`` towards its first element: a shrunk failure keeps only the
@@ -28,7 +29,7 @@ the comparison is that both libraries raise the same exception type.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Protocol, TypeVar
 
 __all__ = [
@@ -309,15 +310,9 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         backward_prefetch = pick(("BACKWARD_PRE", "BACKWARD_POST", "none"))
         forward_prefetch = pick((False, True))
         auto_wrap = shard_blocks and pick((False, True))
-    return Config(
-        front_end=front_end,
-        world_size=world,
-        mesh=mesh,
-        width=width,
-        batch=batch,
-        blocks=blocks,
-        tied=tied,
-        shard_blocks=shard_blocks,
+    # base holds the model's shape (the parameter names above come from it); add the rest.
+    return replace(
+        base,
         frozen=frozen,
         toggles=toggles,
         precision=precision,
