@@ -26,10 +26,10 @@ The clipped norm is the norm of the whole model's gradient: under
 ``fully_shard`` the gradients are DTensors, whose norm
 ``torch.nn.utils.get_total_norm`` reduces across shards (and replicas);
 the wrapper's own ``clip_grad_norm_`` does the same for flat parameters.
-Three consecutive steps (from ``--measure-step``, by default the second of
-the launch) run under the profiler and the collective counters; the summary
-reports their communication bytes per kind, their communication and compute
-time, and the lowest of their three peaks: gloo frees a collective's buffers
+Five consecutive steps (``_measured_steps.py``; from ``--measure-step``, by
+default the second of the launch, up to the last) run under the profiler and
+the collective counters; the summary reports their communication bytes per
+kind, their communication and compute time, and the lowest of their peaks: gloo frees a collective's buffers
 from its own thread when the collective is done, a moment that varies from
 step to step by up to one unit's buffers, and the lowest peak is the one
 that does not include that accident (``summary.json`` keeps the highest too).
