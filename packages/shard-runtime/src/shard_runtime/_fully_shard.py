@@ -1,4 +1,4 @@
-"""``fully_shard``: the composable, per-parameter front end.
+"""``fully_shard``: the per-parameter front end (FSDP2's API).
 
 ``fully_shard(module)`` shards every parameter of ``module`` that no inner
 ``fully_shard`` call already manages on dim 0 across the mesh, swaps the

@@ -534,7 +534,7 @@ def _contains(outer: str, inner: str) -> bool:
 def apply_wrap_policy(model: _M, policy: WrapPolicyLike, **fully_shard_kwargs: Any) -> _M:
     """Shard ``model`` with ``fully_shard`` on every unit ``policy`` makes, bottom-up.
 
-    The composable API's auto-wrap: :func:`resolve_wrap_policy` then
+    ``fully_shard``'s auto-wrap: :func:`resolve_wrap_policy` then
     :func:`plan_units` (honoring ``ignored_params``), then one
     ``fully_shard(unit, **fully_shard_kwargs)`` per unit, children before
     parents and the root last, with the overrides the policy returned for a
