@@ -29,12 +29,12 @@ the wrapper's own ``clip_grad_norm_`` does the same for flat parameters.
 Five consecutive steps (``_measured_steps.py``; from ``--measure-step``, by
 default the second of the launch, up to the last) run under the profiler and
 the collective counters; the summary reports their communication bytes per
-kind, their communication and compute time, and the lowest of their peaks: gloo frees a collective's buffers
-from its own thread when the collective is done, a moment that varies from
-step to step by up to one unit's buffers, and the lowest peak is the one
-that does not include that accident (``summary.json`` keeps the highest too).
-What each rank holds is measured right after the last one's optimizer step
-(gradients still there).
+kind, their communication and compute time, and the lowest of their peaks:
+gloo frees a collective's buffers from its own thread when the collective is
+done, a moment that varies from step to step by up to one unit's buffers,
+and the lowest peak is the one that does not include that accident
+(``summary.json`` keeps the highest too). What each rank holds is measured
+right after the last one's optimizer step (gradients still there).
 
 [Note: restarts]
 Under ``--max-restarts N`` (or ``torchrun --max-restarts``) the elastic agent
