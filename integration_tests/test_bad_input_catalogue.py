@@ -40,11 +40,11 @@ test covers the same input, that test's file:
 11. fully_shard applied twice to one module
     AssertionError [fully_shard_twice], also shard-runtime/tests/test_compat_fully_shard.py
 12. parameters of mixed dtypes in one unit (fully_shard)
-    TypeError [mixed_dtypes], also shard-runtime/tests/test_fully_shard_api.py
+    LayoutError [mixed_dtypes], also shard-runtime/tests/test_fully_shard_api.py
 13. parameters of mixed dtypes in one flat unit (FullyShardedDataParallel)
-    ValueError [wrapper_mixed_dtypes]
+    LayoutError [wrapper_mixed_dtypes]
 14. an integer parameter in a floating-point unit
-    TypeError [integer_param_in_unit]
+    LayoutError [integer_param_in_unit]
 15. integer parameters requiring grad (an integer param_dtype for trainable parameters)
     LayoutError [integer_param_dtype]
 16. optimizer.step() before backward finished (in a backward hook)
@@ -744,23 +744,23 @@ CATALOGUE: list[Kind] = [
     Kind(
         "mixed_dtypes",
         "parameters of mixed dtypes in one unit (fully_shard)",
-        TypeError,
-        ("fully_shard(Linear)", "weight (torch.float32)", "bias (torch.float64)"),
+        LayoutError,
+        ("fully_shard(Linear)", "weight (float32)", "bias (float64)"),
         ("MixedPrecisionPolicy(param_dtype=...)", "shard the differently typed submodule"),
         "shard-runtime/tests/test_fully_shard_api.py",
     ),
     Kind(
         "wrapper_mixed_dtypes",
         "parameters of mixed dtypes in one flat unit (FullyShardedDataParallel)",
-        ValueError,
+        LayoutError,
         ("FullyShardedDataParallel(Linear)", "weight (float32)", "bias (float64)"),
         ("cast them to one dtype", "wrap the differently typed submodule"),
     ),
     Kind(
         "integer_param_in_unit",
         "an integer parameter in a floating-point unit",
-        TypeError,
-        ("fully_shard(Linear)", "index (torch.int64)"),
+        LayoutError,
+        ("fully_shard(Linear)", "index (int64)"),
         ("shard the differently typed submodule separately",),
     ),
     Kind(
