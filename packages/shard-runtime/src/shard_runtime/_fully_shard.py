@@ -37,6 +37,7 @@ from shard_runtime._options import (
 from shard_runtime._param import DataParallelAxes, ShardedParam, resolve_shard_dim
 from shard_runtime._per_param_layout import PerParamLayout
 from shard_runtime._state import UnitState, get_state, states_in
+from shard_runtime._torch_state_view import FSDPStateView, state_view
 from shard_runtime._unit import ReshardAfterForward, ShardedState, Unit
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -88,6 +89,10 @@ class FSDPModule:
         state = get_state(_as_module(self))
         assert state is not None
         return state
+
+    def _get_fsdp_state(self) -> FSDPStateView:
+        """The state PyTorch's clients reach into; see ``_torch_state_view.py``."""
+        return state_view(_as_module(self))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
         # AssertionError, as PyTorch's fully_shard raises here.
@@ -563,6 +568,10 @@ def fully_shard(
         if not isinstance(m, FSDPModule):
             m.__class__ = _fsdp_class(type(m))
     return module
+
+
+# What torch.distributed.pipelining calls: see _torch_state_view.py.
+fully_shard.state = state_view  # type: ignore[attr-defined]
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

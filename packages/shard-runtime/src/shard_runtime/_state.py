@@ -646,6 +646,19 @@ class UnitState:
             self.on_iteration_end()
         _log.debug("shard: end of backward for %d units", len(self.all_states))
 
+    def post_backward_now(self) -> None:
+        """Reduce (or keep) what this unit's backward left, now, once.
+
+        For a driver that runs backward itself and reduces after its last
+        micro-batch (``torch.distributed.pipelining``; see
+        ``_torch_state_view.py``). A unit that already reduced does nothing.
+        """
+        self._post_backward()
+
+    def end_backward_now(self) -> None:
+        """Do what the end of backward does (on the root), outside autograd's callback."""
+        self._end_of_backward()
+
     def _reset_backward(self) -> None:
         """Forget this backward's bookkeeping (at its end, or when a step is abandoned)."""
         self.unit.training_state = TrainingState.IDLE

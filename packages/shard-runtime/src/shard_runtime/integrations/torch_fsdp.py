@@ -36,6 +36,7 @@ __all__ = [
     "KNOWN_FRAMEWORKS",
     "LateBindingError",
     "LateBindingWarning",
+    "TORCH_FSDP_CLIENTS",
     "TORCH_FSDP_MODULES",
     "TorchFSDPPatch",
     "use_shard_for_torch_fsdp",
@@ -63,10 +64,14 @@ __all__ = [
 #    the attribute (late_bindings="error", the default, raises
 #    LateBindingError; "warn" warns; "ignore" does nothing), or rebound when
 #    named in patch_modules.
-# Never rebound: torch's own modules outside the namespaces in 1 (e.g.
-# torch.distributed.checkpoint.state_dict and torch.distributed.pipelining
-# bind PyTorch's classes at import and keep them; shard's modules take their
-# generic DTensor paths there), the private modules that define PyTorch's
+# 4. torch's own modules that drive FSDP through names bound at import
+#    (TORCH_FSDP_CLIENTS: torch.distributed.pipelining's stage and schedules
+#    check isinstance(submod, FSDPModule) and call fully_shard.state(submod);
+#    see _torch_state_view.py): rebound the same way as known frameworks.
+# Never rebound: torch's other modules outside the namespaces in 1 (e.g.
+# torch.distributed.checkpoint.state_dict binds PyTorch's classes at import
+# and keeps them; shard's modules take its generic DTensor paths), the
+# private modules that define PyTorch's
 # FSDP2 (torch.distributed.fsdp._fully_shard._fully_shard and friends, so
 # that PyTorch's own code keeps working) and shard's own packages. Bindings
 # that are not module attributes (default arguments, closures, class
@@ -102,6 +107,12 @@ KNOWN_FRAMEWORKS: tuple[str, ...] = (
     "pytorch_lightning",
     "accelerate",
     "transformers",
+)
+
+#: torch's own modules that drive FSDP through names bound at import (step 4 of the note).
+TORCH_FSDP_CLIENTS: tuple[str, ...] = (
+    "torch.distributed.pipelining.stage",
+    "torch.distributed.pipelining.schedules",
 )
 
 # Top-level packages never scanned: torch's own (see the note) and shard's.
@@ -198,7 +209,7 @@ class _Patch:
             if vars(binding.module).get(binding.attr) is binding.replacement:
                 setattr(binding.module, binding.attr, binding.original)
         self.bindings.clear()
-        for module in _framework_modules():
+        for module in (*_framework_modules(), *_client_modules()):
             for attr, value in list(vars(module).items()):
                 original = self.to_torch.get(id(value))
                 if original is not None:
@@ -305,7 +316,7 @@ def use_shard_for_torch_fsdp(
             warnings.warn(message, LateBindingWarning, stacklevel=2)
         for module_name in TORCH_FSDP_MODULES:
             _PATCH.rebind(sys.modules[module_name])
-        for module in _framework_modules():
+        for module in (*_framework_modules(), *_client_modules()):
             _PATCH.rebind(module)
         for module_name in extra:
             _PATCH.rebind(sys.modules[module_name])
@@ -332,6 +343,13 @@ def _top(module_name: str) -> str:
 def _framework_modules() -> Iterator[types.ModuleType]:
     for module_name, module in list(sys.modules.items()):
         if _top(module_name) in KNOWN_FRAMEWORKS and isinstance(module, types.ModuleType):
+            yield module
+
+
+def _client_modules() -> Iterator[types.ModuleType]:
+    for module_name in TORCH_FSDP_CLIENTS:
+        module = sys.modules.get(module_name)
+        if isinstance(module, types.ModuleType):
             yield module
 
 

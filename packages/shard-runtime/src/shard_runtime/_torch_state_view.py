@@ -1,0 +1,89 @@
+"""What PyTorch's own FSDP clients reach into on a sharded module, with the same meaning.
+
+``torch.distributed.pipelining`` drives each stage's FSDP itself: during the
+micro-batches it turns gradient sync, resharding after backward and
+``is_last_backward`` off, and after the last one (its ``REDUCE_GRAD``
+action) it turns them on and calls, on ``fully_shard.state(stage_module)``:
+
+- ``_state_ctx.all_states``: every state of the stage's tree;
+- each state's ``_fsdp_param_groups[*].post_backward()``: reduce the
+  gradients kept over the micro-batches (and reshard);
+- ``_root_post_backward_final_callback()``: what the end of backward does
+  (land the reductions, reset for the next step).
+
+:class:`FSDPStateView` gives exactly those names over shard's
+:class:`~shard_runtime._state.UnitState`, so that pipelining (and a client
+calling ``module._get_fsdp_state()`` or ``fully_shard.state(module)``)
+reduces once per unit per step, as on PyTorch. Nothing else of PyTorch's
+private state exists here: a name that is not below is an AttributeError.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shard_runtime._state import UnitState, get_state, states_in
+
+__all__ = ["FSDPStateView", "state_view"]
+
+
+class _ParamGroupView:
+    """One unit, as ``FSDPParamGroup`` is seen by pipelining."""
+
+    def __init__(self, state: UnitState) -> None:
+        self._unit_state = state
+
+    def post_backward(self) -> None:
+        """Reduce the unit's kept gradients now (once) and free its full parameters.
+
+        A unit that already reduced in this backward, or has nothing to
+        reduce, does nothing, as PyTorch's.
+        """
+        self._unit_state.post_backward_now()
+
+
+class _StateContextView:
+    """The root's ``_state_ctx``: every state of its tree."""
+
+    def __init__(self, root: UnitState) -> None:
+        self._root = root
+
+    @property
+    def all_states(self) -> list[FSDPStateView]:
+        states = self._root.all_states or states_in(self._root.modules)
+        return [FSDPStateView(s) for s in states]
+
+
+class FSDPStateView:
+    """``fully_shard.state(module)`` for PyTorch's FSDP clients; see the module docstring."""
+
+    def __init__(self, state: UnitState) -> None:
+        self._unit_state = state
+
+    @property
+    def _state_ctx(self) -> _StateContextView:
+        return _StateContextView(self._unit_state.root or self._unit_state)
+
+    @property
+    def _fsdp_param_groups(self) -> list[_ParamGroupView]:
+        return [_ParamGroupView(self._unit_state)]
+
+    def _root_post_backward_final_callback(self) -> None:
+        """End the backward now: land every reduction, reset every unit for the next step."""
+        root = self._unit_state.root or self._unit_state
+        root.end_backward_now()
+
+
+def state_view(module: nn.Module) -> FSDPStateView:
+    """``fully_shard.state(module)``: the state view of a module ``fully_shard`` sharded.
+
+    Raises:
+        ValueError: ``module`` was not passed to ``fully_shard``.
+    """
+    state = get_state(module)
+    if state is None:
+        raise ValueError(
+            f"fully_shard.state: {type(module).__name__} is not sharded; pass a module "
+            "fully_shard was applied to"
+        )
+    return FSDPStateView(state)
