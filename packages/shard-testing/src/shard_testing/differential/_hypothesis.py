@@ -35,7 +35,8 @@ def config_strategy(world_sizes: Sequence[int] = (2, 4)) -> SearchStrategy[Confi
     except ImportError as exc:
         raise ImportError(
             "config_strategy needs the hypothesis package, which is not installed: "
-            "pip install 'shard-testing[hypothesis]'"
+            "pip install hypothesis, or from a shard checkout "
+            "pip install './packages/shard-testing[hypothesis]'"
         ) from exc
 
     @st.composite
