@@ -230,3 +230,39 @@ def test_importing_shard_runtime_leaves_torch_fsdp_unimported() -> None:
     )
     # "True True": something shard_runtime imports now imports torch.distributed.fsdp.
     assert result.stdout.split() == ["True", "False"]
+
+
+_PIPELINING_BINDINGS = """
+import torch.distributed.fsdp as torch_fsdp
+import shard_runtime
+from shard_runtime.integrations import use_shard_for_torch_fsdp
+names = ("FSDPModule", "fully_shard", "UnshardHandle")
+torch_objects = [getattr(torch_fsdp, n) for n in names]
+def bound():
+    import torch.distributed.pipelining.schedules as schedules
+    import torch.distributed.pipelining.stage as stage
+    where = ((stage, "FSDPModule"), (stage, "fully_shard"), (schedules, "UnshardHandle"))
+    return [vars(module).get(n) for module, n in where]
+if {before}:
+    bound()
+patch = use_shard_for_torch_fsdp(late_bindings="ignore")
+during = bound()
+patch.undo()
+after = bound()
+print(during == [getattr(shard_runtime, n) for n in names], after == torch_objects)
+"""
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["imported_before", "imported_during"])
+def test_pipelining_bindings_follow_the_patch(before: bool) -> None:
+    """torch.distributed.pipelining's import-time FSDP names are shard's while the patch is on.
+
+    Imported before the call they are rebound, imported during it they bind shard's through
+    the rebound namespace; PyTorch's come back on undo either way (a fresh interpreter, so
+    the import order is real).
+    """
+    code = _PIPELINING_BINDINGS.format(before=before)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["True", "True"]
