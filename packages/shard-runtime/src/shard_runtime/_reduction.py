@@ -15,7 +15,7 @@ its decision:
 1. ``UnitState._on_grad_ready`` (``_state.py``): the post-accumulate-grad
    hook counts the unit's gradients; once the unit's backward is done (see
    [Note: post-backward when the unit's backward is done]) it calls
-2. ``UnitState._post_backward``: when the unit reduces, keeps the gradients
+2. ``UnitState.post_backward``: when the unit reduces, keeps the gradients
    (no gradient sync) or does nothing; it asks
 3. ``Unit.reduce_grads`` (``_unit.py``) to issue the reduce-scatter on the
    reduce-scatter stream (how: groups, dtype, divide factors, comm hook),

@@ -210,7 +210,7 @@ class UnitState:
         # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
         #   in _compile.py
         self._pre_backward_entry = eager_hook(self._pre_backward_hook, "pre-backward hook")
-        self._end_of_backward_entry = eager_hook(self._end_of_backward, "end-of-backward callback")
+        self._end_of_backward_entry = eager_hook(self.end_of_backward, "end-of-backward callback")
         pre_forward_entry = eager_hook(self._pre_forward_hook, "pre-forward hook")
         post_forward_entry = eager_hook(self._post_forward_hook, "post-forward hook")
         for module in modules:
@@ -380,7 +380,7 @@ class UnitState:
     def _on_inputs_grad_ready(self) -> None:
         self.inputs_pending -= 1
         if self._backward_done():
-            self._post_backward()
+            self.post_backward()
 
     def _backward_done(self) -> bool:
         """Whether the unit's backward is over; see [Note: post-backward when the unit's
@@ -583,12 +583,15 @@ class UnitState:
         """
         self.grads_ready += 1
         if self.grads_ready == self.unit.layout.num_trainable and self._backward_done():
-            self._post_backward()
+            self.post_backward()
 
-    def _post_backward(self) -> None:
+    def post_backward(self) -> None:
         """The unit's backward is over: reduce (or keep) its gradients, free its parameters.
 
-        Step 2 of [Note: the path of one gradient] in ``_reduction.py``.
+        Step 2 of [Note: the path of one gradient] in ``_reduction.py``. Once per
+        backward: a unit that already reduced does nothing, so a driver that runs
+        backward itself (``torch.distributed.pipelining``, ``_torch_state_view.py``)
+        may call it after its last micro-batch.
         """
         unit = self.unit
         if unit.training_state is TrainingState.POST_BACKWARD:
@@ -619,7 +622,7 @@ class UnitState:
         root = self.root if self.root is not None else self
         root.unit.comm_ctx.land()
 
-    def _end_of_backward(self) -> None:
+    def end_of_backward(self) -> None:
         for state in self.all_states:
             unit = state.unit
             if unit.gather_in_flight:
@@ -630,7 +633,7 @@ class UnitState:
                 or unit.has_unsharded_grads()
                 or unit.reduce_scatter_unused_params
             ):
-                state._post_backward()
+                state.post_backward()
             elif unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (
                 unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
             ):
@@ -645,19 +648,6 @@ class UnitState:
         if self.on_iteration_end is not None:
             self.on_iteration_end()
         _log.debug("shard: end of backward for %d units", len(self.all_states))
-
-    def post_backward_now(self) -> None:
-        """Reduce (or keep) what this unit's backward left, now, once.
-
-        For a driver that runs backward itself and reduces after its last
-        micro-batch (``torch.distributed.pipelining``; see
-        ``_torch_state_view.py``). A unit that already reduced does nothing.
-        """
-        self._post_backward()
-
-    def end_backward_now(self) -> None:
-        """Do what the end of backward does (on the root), outside autograd's callback."""
-        self._end_of_backward()
 
     def _reset_backward(self) -> None:
         """Forget this backward's bookkeeping (at its end, or when a step is abandoned)."""

@@ -39,7 +39,7 @@ class _ParamGroupView:
         A unit that already reduced in this backward, or has nothing to
         reduce, does nothing, as PyTorch's.
         """
-        self._unit_state.post_backward_now()
+        self._unit_state.post_backward()
 
 
 class _StateContextView:
@@ -71,7 +71,7 @@ class FSDPStateView:
     def _root_post_backward_final_callback(self) -> None:
         """End the backward now: land every reduction, reset every unit for the next step."""
         root = self._unit_state.root or self._unit_state
-        root.end_backward_now()
+        root.end_of_backward()
 
 
 def state_view(module: nn.Module) -> FSDPStateView:
