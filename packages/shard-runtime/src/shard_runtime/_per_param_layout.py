@@ -150,8 +150,7 @@ class PerParamLayout:
             "give MixedPrecisionPolicy(param_dtype=...) or shard the differently typed "
             "submodule separately",
         )
-        dtypes = {p.unsharded_param.dtype for p in self.params}
-        self._gather_dtype = next(iter(dtypes)) if dtypes else torch.float32
+        self._gather_dtype = self.params[0].unsharded_param.dtype if self.params else torch.float32
 
     def reset_after_apply(self) -> None:
         for p in self.params:
