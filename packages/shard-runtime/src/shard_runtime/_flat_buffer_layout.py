@@ -175,6 +175,10 @@ class FlatBufferLayout:
         return self.flat_layout is None or self.requires_grad
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.gather_dtype
+
+    @property
     def gather_dtype(self) -> torch.dtype:
         return self.unsharded_param.dtype
 

@@ -549,7 +549,7 @@ def fully_shard(
     )
     unit = Unit(
         label=label,
-        layout=PerParamLayout(sharded, label),
+        layout=PerParamLayout(sharded, label, mp_policy=mp_policy),
         mesh=mesh,
         mp_policy=mp_policy,
         compute_device=compute_device,

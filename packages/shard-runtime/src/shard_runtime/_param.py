@@ -54,7 +54,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shard_comms.plumbing import joined_mesh
-from shard_core import dim0_chunk_range, padded_dim0_size
+from shard_core import contiguous_stride, dim0_chunk_range, padded_dim0_size
+from shard_runtime._all_gather_extension import AllGatherExtension, extension_of
 from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import is_flat_layout
 from shard_runtime._storage import alloc_storage, free_storage
@@ -128,6 +129,12 @@ class ShardedParam:
     unsharded_spec: DTensorSpec | None = None  # tp DTensor spec of the compute face
     dp_axes: frozenset[int] = frozenset()  # data-parallel axes of unsharded_spec's mesh
     flat: bool = False  # sharded on the flattened storage; see [Note: flat shards as 1-D DTensors]
+    # the sharded tensor's own all-gather hooks; see [Note: the tensor-subclass all-gather
+    # contract] in _all_gather_extension.py
+    extension: AllGatherExtension | None = None
+    compute_dtype: torch.dtype = torch.float32  # the unsharded face's dtype (init_unsharded)
+    # a subclass shard's local tensor as installed in the DTensor, to see ``_apply`` replace it
+    installed_local: torch.Tensor | None = None
     unsharded_padded: torch.Tensor = field(init=False)  # ND, padded_rows * shard_world rows
     unsharded_param: nn.Parameter = field(init=False)
     # the gradients of backwards without gradient sync, summed in the reduce dtype; see
@@ -166,8 +173,13 @@ class ShardedParam:
         placed = _placement(fqn, param, mesh, shard_dim, dp_axes)
         data = placed.data
         data_shape = data.shape
-        flat = flat and is_flat_layout(
-            data_shape, shard_world, tensor_parallel=placed.unsharded_spec is not None
+        subclass = _is_subclass(data)
+        flat = (
+            flat
+            and not subclass
+            and is_flat_layout(
+                data_shape, shard_world, tensor_parallel=placed.unsharded_spec is not None
+            )
         )
         if flat:
             shard_dim = 0
@@ -179,14 +191,19 @@ class ShardedParam:
         rows = dim0_chunk_range(size, shard_rank, shard_world)
         if data.device.type == "meta":  # stays on meta until module.to_empty(...)
             shard_device = data.device
-        padded_shard = _padded_shard(
-            data.detach().reshape(split_shape),
-            shard_dim,
-            rows,
-            padded_rows,
-            shard_device,
-            pin_memory,
-        )
+        if subclass:
+            padded_shard = _padded_subclass_shard(
+                data.detach(), shard_dim, shard_world, shard_rank, padded_rows, shard_device
+            )
+        else:
+            padded_shard = _padded_shard(
+                data.detach().reshape(split_shape),
+                shard_dim,
+                rows,
+                padded_rows,
+                shard_device,
+                pin_memory,
+            )
         local_rows = len(rows)
         full_shape = param.shape
         sharded_param = _make_sharded_param(
@@ -215,12 +232,27 @@ class ShardedParam:
             unsharded_spec=placed.unsharded_spec,
             dp_axes=placed.dp_axes,
             flat=flat,
+            extension=extension_of(fqn, padded_shard) if subclass else None,
+            installed_local=sharded_param._local_tensor if subclass else None,  # type: ignore[attr-defined]
         )
         self.init_unsharded(data.dtype, shard_device)
         return self
 
     def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
-        """(Re)create the unsharded face in ``dtype`` on ``device``, storage released."""
+        """(Re)create the unsharded face in ``dtype`` on ``device``, storage released.
+
+        With an all-gather extension the face is built by the first gather
+        (``fsdp_post_all_gather``); until then it is an empty stand-in of the
+        right dtype and trainability.
+        """
+        self.compute_dtype = dtype
+        if self.extension is not None:
+            self.extension.reset()
+            self.unsharded_padded = torch.empty(0, dtype=dtype, device=device)
+            self.unsharded_param = nn.Parameter(
+                torch.empty(0, dtype=dtype, device=device), requires_grad=self.requires_grad
+            )
+            return
         rows = self.padded_rows * self.shard_world
         shape = self.split_shape
         self.unsharded_padded = torch.empty(
@@ -289,11 +321,66 @@ class ShardedParam:
 
     def alloc_unsharded(self) -> None:
         """Grow the unsharded storage back before the all-gathered data is written."""
-        alloc_storage(self.unsharded_padded)
+        if self.extension is None:  # an extension's outputs grow as they are written
+            alloc_storage(self.unsharded_padded)
 
     def free_unsharded(self) -> None:
         """Release the unsharded storage; the ``Parameter`` object stays for autograd."""
-        free_storage(self.unsharded_padded)
+        if self.extension is not None:
+            self.extension.free()
+        else:
+            free_storage(self.unsharded_padded)
+
+    # -------------------------------------------------------------- all-gather extension
+
+    def extension_inputs(self, device: torch.device, mp_policy: object) -> list[torch.Tensor]:
+        """What ``fsdp_pre_all_gather`` sends for this parameter (1-D tensors, on ``device``).
+
+        The hook sees the sharded local tensor (where, e.g., float8's
+        precomputed scale is set), padded first when this rank's shard is short.
+        """
+        extension = self.extension
+        assert extension is not None
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        padded = self.padded_shape
+        if local.size() != padded:
+            short = local
+            local = short.new_zeros(padded)
+            if short.numel() > 0:
+                local.narrow(self.shard_dim, 0, short.size(self.shard_dim)).copy_(short)
+        if local.device != device:
+            local = local.to(device, non_blocking=True)
+        module = self.owners[0].module
+        mesh = self.mesh if self.mesh.ndim == 1 else _last_axis(self.mesh)
+        return extension.pre_all_gather(local, mesh, self.data_shape, module, mp_policy, padded)
+
+    def write_extension_outputs(self, blocks: list[torch.Tensor], dtype: torch.dtype) -> bool:
+        """Copy the gathered ``(world, n)`` blocks into the outputs and rebuild the parameter.
+
+        ``blocks`` are in the gather's dtype (``uint8`` when it moved bytes).
+        Returns whether a new unsharded ``Parameter`` was made (its gradient
+        hook must be registered).
+        """
+        extension = self.extension
+        assert extension is not None
+        outputs = extension.outputs_for(self.shard_world, blocks[0].device)
+        with torch.no_grad():
+            for output, block in zip(outputs, blocks, strict=True):
+                target = output.view(self.shard_world, -1)
+                if block.dtype != target.dtype:
+                    target = target.view(block.dtype)
+                target.copy_(block)
+        full = extension.post_all_gather(
+            self.sharded_param._local_tensor,  # type: ignore[attr-defined]
+            dtype,
+            self.unsharded_param,
+        )
+        if full is None:
+            return False
+        if full.size() != self.data_shape:  # padded: the real rows lead
+            full = torch.as_strided(full, self.data_shape, contiguous_stride(self.data_shape), 0)
+        self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        return True
 
     def unsharded_rows_view(self) -> torch.Tensor:
         """The padded unsharded buffer as ``(shard_world, padded_numel)``, for copy-out.
@@ -320,19 +407,36 @@ class ShardedParam:
         return t.view(split).movedim(d, 0)
 
     def write_gathered(self, blocks: torch.Tensor) -> None:
-        """Copy the all-gathered blocks (``(shard_world, padded_numel)``) into the full buffer."""
+        """Copy the all-gathered blocks (``(shard_world, padded_numel)``) into the full buffer.
+
+        ``blocks`` may be the same bytes as ``uint8`` (a unit that gathers bytes).
+        """
+        if blocks.dtype != self.unsharded_padded.dtype:
+            if self.shard_dim == 0:
+                self.unsharded_rows_view().view(blocks.dtype).copy_(blocks)
+                return
+            blocks = blocks.contiguous().view(self.unsharded_padded.dtype)
         if self.shard_dim == 0:
             self.unsharded_rows_view().copy_(blocks)
         else:
             self.unsharded_blocks().copy_(blocks.view(self.shard_world, *self.padded_shape))
 
     def read_gathered(self, ranks: slice, out: torch.Tensor) -> None:
-        """Copy the unsharded blocks of ``ranks`` into ``out`` (``(len, padded_numel)``)."""
+        """Copy the unsharded blocks of ``ranks`` into ``out`` (``(len, padded_numel)``).
+
+        ``out`` may be ``uint8``: the blocks' bytes are copied, not converted.
+        """
+        if self.extension is not None:
+            raise NotImplementedError(
+                f"fully_shard: parameter {self.fqn!r} is a {type(self.padded_shard).__name__} "
+                "gathered by its own fsdp_pre_all_gather; resharding it to a smaller group "
+                "after forward (reshard_after_forward=<int>) is not supported: use True or False"
+            )
         if self.shard_dim == 0:
-            out.copy_(self.unsharded_rows_view()[ranks])
+            rows = self.unsharded_rows_view()[ranks]
         else:
-            blocks = self.unsharded_blocks()[ranks]
-            out.view(blocks.shape).copy_(blocks)
+            rows = self.unsharded_blocks()[ranks].contiguous().view(out.shape[0], -1)
+        out.copy_(rows.view(out.dtype) if out.dtype != rows.dtype else rows)
 
     def unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded gradient as a plain tensor of ``data_shape`` (``None``: no gradient).
@@ -381,6 +485,8 @@ class ShardedParam:
 
     def version_tensors(self) -> list[torch.Tensor]:
         """The unsharded tensors whose version counters a gather write must preserve."""
+        if self.extension is not None:
+            return []  # the hook refreshes its own tensor's inner data; autograd saved the outer
         param = self.unsharded_param
         if isinstance(param, DTensor):
             local = param.to_local()
@@ -406,9 +512,15 @@ class ShardedParam:
         ``model.to(...)``, ``to_empty(...)`` and friends swap a new local tensor
         into the DTensor parameter; copy it into a fresh padded buffer (in its
         new dtype and device) and point the DTensor at a view of that buffer.
+        A tensor subclass is padded with its own ops (``new_zeros``, ``copy_``)
+        and kept as it is when already of the padded size, so it stays that
+        subclass (an NF4 weight loaded after meta-device init stays NF4).
         """
         local = self.sharded_param.to_local()  # type: ignore[attr-defined]
         assert isinstance(local, torch.Tensor)
+        if _is_subclass(local) or _is_subclass(self.padded_shard):
+            self._reset_subclass_shard(local)
+            return
         if (
             local.dtype == self.padded_shard.dtype
             and local.device == self.padded_shard.device
@@ -422,6 +534,23 @@ class ShardedParam:
                 view.copy_(local)
         self.padded_shard = padded
         self.sharded_param._local_tensor = view  # type: ignore[attr-defined]
+
+    def _reset_subclass_shard(self, local: torch.Tensor) -> None:
+        if local is self.installed_local:
+            return
+        padded_shape = self.padded_shape
+        if local.size() == padded_shape:
+            padded = view = local
+        else:
+            padded = local.new_zeros(padded_shape)
+            if local.device.type != "meta" and local.numel() > 0:
+                with torch.no_grad():
+                    padded.narrow(self.shard_dim, 0, local.size(self.shard_dim)).copy_(local)
+            view = padded.narrow(self.shard_dim, 0, self.local_rows)
+            self.sharded_param._local_tensor = view  # type: ignore[attr-defined]
+        self.padded_shard = padded
+        self.installed_local = view
+        self.extension = extension_of(self.fqn, view) if _is_subclass(view) else None
 
     # -------------------------------------------------------------- gradients
 
@@ -596,6 +725,44 @@ def _padded_shard(
     with torch.no_grad():
         padded.narrow(shard_dim, 0, len(rows)).copy_(data.narrow(shard_dim, rows.start, len(rows)))
     return padded.pin_memory() if pin_memory else padded
+
+
+def _is_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter's data) is a tensor subclass, not a plain tensor."""
+    data = tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
+    return type(data) is not torch.Tensor
+
+
+def _padded_subclass_shard(
+    data: torch.Tensor,
+    shard_dim: int,
+    world: int,
+    rank: int,
+    padded_rows: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's chunk of a tensor subclass, padded, made with ops subclasses implement.
+
+    ``torch.chunk``, ``new_zeros`` and a leading-slice ``copy_`` are what
+    torchao's NF4 and float8 tensors support (PyTorch shards them the same way);
+    a general slice is not.
+    """
+    chunks = torch.chunk(data, world, dim=shard_dim)
+    padded = data.new_zeros(_with_dim(data.shape, shard_dim, padded_rows))
+    if rank < len(chunks) and chunks[rank].numel() > 0 and data.device.type != "meta":
+        chunk = chunks[rank]
+        with torch.no_grad():
+            padded.narrow(shard_dim, 0, chunk.size(shard_dim)).copy_(chunk)
+    if padded.device != device and data.device.type != "meta":
+        padded = padded.to(device)
+    return padded
+
+
+def _last_axis(mesh: DeviceMesh) -> DeviceMesh:
+    """The shard axis of a data-parallel mesh (its last), as a 1-D mesh."""
+    names = mesh.mesh_dim_names
+    assert names is not None, "a data-parallel mesh of several axes names them"
+    return mesh[names[-1]]
 
 
 def _with_dim(shape: torch.Size, dim: int, size: int) -> torch.Size:

@@ -51,19 +51,24 @@ __all__ = ["PerParamLayout"]
 class PerParamLayout:
     """A :class:`~shard_runtime._unit_layout.UnitLayout` of :class:`ShardedParam` s."""
 
-    def __init__(self, params: list[ShardedParam], label: str) -> None:
+    def __init__(self, params: list[ShardedParam], label: str, *, mp_policy: object = None) -> None:
         self.params = params
+        self._mp_policy = mp_policy  # what a five-argument fsdp_pre_all_gather is handed
         self.trainable = [p for p in params if p.requires_grad]
         self._label = label
         # - gradient-ready hooks, by index in ``params``; see [Note: requires_grad is read at
         #   every forward]
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
-        self._gather_dtype: torch.dtype | None = None
+        self._compute_dtype: torch.dtype | None = None
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
-        # - sizes, fixed for the group's life (a re-adopted shard keeps its padded shape)
+        # - the last gather's plan (see [Note: one all-gather, many dtypes]); sizes in
+        #   elements of the gather's dtype, per parameter and per tensor it sends
+        self._gather_dtype: torch.dtype | None = None
+        self._gather_sizes: list[list[int]] = []
+        self._gather_numel = sum(p.padded_numel for p in params)
+        # - fixed for the group's life (a re-adopted shard keeps its padded shape)
         self._padded_numels = [p.padded_numel for p in params]
-        self._gather_numel = sum(self._padded_numels)
         self._reduce_numel = sum(p.padded_numel for p in self.trainable)
 
     # ------------------------------------------------------------------ facts
@@ -86,8 +91,13 @@ class PerParamLayout:
 
     @property
     def gather_dtype(self) -> torch.dtype:
-        assert self._gather_dtype is not None, "init_compute first"
+        assert self._gather_dtype is not None, "gather_input first"
         return self._gather_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        assert self._compute_dtype is not None, "init_compute first"
+        return self._compute_dtype
 
     @property
     def gather_numel(self) -> int:
@@ -144,13 +154,27 @@ class PerParamLayout:
         for p in self.params:
             p.init_unsharded(param_dtype or p.padded_shard.dtype, device)
         self._hook_trainable()
+        self._check_grad_dtypes()
+        self._compute_dtype = self.params[0].unsharded_param.dtype if self.params else torch.float32
+        self._gather_dtype = None if self.params else torch.float32
+
+    def _check_grad_dtypes(self) -> None:
+        """The trainable parameters' gradients share one dtype (one reduction moves them).
+
+        The all-gather mixes dtypes freely (as bytes); frozen parameters never
+        reduce. That dtype is the unit's compute dtype (the reduction's default).
+        """
+        leading = self.trainable or self.params
+        self._compute_dtype = leading[0].compute_dtype if leading else torch.float32
+        reduce_dtype = getattr(self._mp_policy, "reduce_dtype", None)
+        if reduce_dtype is not None:
+            return
         check_one_dtype(
             f"fully_shard({self._label or 'root'})",
-            [(p.fqn, p.unsharded_param.dtype) for p in self.params],
-            "give MixedPrecisionPolicy(param_dtype=...) or shard the differently typed "
-            "submodule separately",
+            [(p.fqn, p.compute_dtype) for p in self.params if p.requires_grad],
+            "give MixedPrecisionPolicy(param_dtype=...) or reduce_dtype=..., or shard the "
+            "differently typed submodule separately",
         )
-        self._gather_dtype = self.params[0].unsharded_param.dtype if self.params else torch.float32
 
     def reset_after_apply(self) -> None:
         for p in self.params:
@@ -166,6 +190,7 @@ class PerParamLayout:
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_numel = sum(p.padded_numel for p in self.trainable)
         self._hook_trainable()
+        self._check_grad_dtypes()
 
     def _hook_trainable(self) -> None:
         """Hook each trainable unsharded parameter's gradient (once; frozen ones cannot be)."""
@@ -175,18 +200,49 @@ class PerParamLayout:
                 hook = p.unsharded_param.register_post_accumulate_grad_hook
                 self._hooks[index] = hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
 
+    def _rehook(self, index: int) -> None:
+        """Hook a parameter whose unsharded face was just rebuilt (an extension's first gather)."""
+        handle = self._hooks.pop(index, None)
+        if handle is not None:
+            handle.remove()
+        self._hook_trainable()
+
     # ------------------------------------------------------------------ gather
 
     def gather_input(self, device: torch.device) -> torch.Tensor:
-        send = torch.empty(self._gather_numel, dtype=self.gather_dtype, device=device)
-        shards = [p.padded_shard for p in self.params]
-        if all(s.dtype == send.dtype and s.device == send.device for s in shards):
-            torch.cat([s.view(-1) for s in shards], out=send)  # one copy op for the unit
+        # See [Note: one all-gather, many dtypes].
+        sends: list[list[tuple[torch.Tensor, torch.dtype]]] = []
+        for p in self.params:
+            if p.extension is not None:
+                inputs = p.extension_inputs(device, self._mp_policy)
+                sends.append([(t, t.dtype) for t in inputs])
+            else:
+                sends.append([(p.padded_shard.view(-1), p.compute_dtype)])
+        wire = {dtype for per_param in sends for _, dtype in per_param}
+        as_bytes = len(wire) > 1 or any(dtype in _BYTES_ONLY for dtype in wire)
+        dtype = torch.uint8 if as_bytes else wire.pop()
+        self._gather_dtype = dtype
+        self._gather_sizes = [
+            [t.numel() * (want.itemsize if as_bytes else 1) for t, want in per_param]
+            for per_param in sends
+        ]
+        self._gather_numel = sum(sum(sizes) for sizes in self._gather_sizes)
+        send = torch.empty(self._gather_numel, dtype=dtype, device=device)
+        pieces = [t for per_param in sends for t, _ in per_param]
+        if not as_bytes and all(t.dtype == dtype and t.device == send.device for t in pieces):
+            torch.cat(pieces, out=send)  # one copy op for the unit
             return send
         offset = 0
-        for shard, numel in zip(shards, self._padded_numels, strict=True):
-            send[offset : offset + numel].view_as(shard).copy_(shard)
-            offset += numel
+        for per_param, sizes in zip(sends, self._gather_sizes, strict=True):
+            for (tensor, want), size in zip(per_param, sizes, strict=True):
+                target = send[offset : offset + size]
+                if as_bytes:
+                    if tensor.dtype != want:
+                        tensor = tensor.to(want)
+                    target.copy_(tensor.contiguous().view(torch.uint8))
+                else:
+                    target.copy_(tensor)
+                offset += size
         return send
 
     def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
@@ -198,26 +254,40 @@ class PerParamLayout:
         world = self.params[0].shard_world
         columns = gathered.view(world, -1)
         versions = [t for p in self.params for t in p.version_tensors()]
+        plain = self._gather_dtype != torch.uint8 and not any(
+            p.extension is not None for p in self.params
+        )
+        rebuilt: list[int] = []
         # See [Note: version counters] in _param.py.
         with torch.no_grad(), _preserve_versions(versions):
-            if len(self.params) == 1:
+            if plain and len(self.params) == 1:
                 self.params[0].write_gathered(columns)
-            elif self._all_dim0:
+            elif plain and self._all_dim0:
                 outs = [p.unsharded_rows_view() for p in self.params]
                 torch.split_with_sizes_copy(columns, self._padded_numels, dim=1, out=outs)
             else:
                 offset = 0
-                for p, numel in zip(self.params, self._padded_numels, strict=True):
-                    p.write_gathered(columns[:, offset : offset + numel])
-                    offset += numel
+                for index, (p, sizes) in enumerate(
+                    zip(self.params, self._gather_sizes, strict=True)
+                ):
+                    blocks = []
+                    for size in sizes:
+                        blocks.append(columns[:, offset : offset + size])
+                        offset += size
+                    if p.extension is None:
+                        p.write_gathered(blocks[0])
+                    elif p.write_extension_outputs(blocks, p.compute_dtype):
+                        rebuilt.append(index)
+        for index in rebuilt:
+            self._rehook(index)
         for p in self.params:
             p.to_unsharded()
 
     def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
         offset = 0
-        for p in self.params:
-            p.read_gathered(rows, out[:, offset : offset + p.padded_numel])
-            offset += p.padded_numel
+        for p, sizes in zip(self.params, self._gather_sizes, strict=True):
+            p.read_gathered(rows, out[:, offset : offset + sizes[0]])
+            offset += sizes[0]
 
     def to_sharded(self) -> None:
         for p in self.params:
@@ -303,6 +373,14 @@ def _copy_padded_rows(block: torch.Tensor, grad: torch.Tensor | None, p: Sharded
     rest = dim0 - full_ranks * rows
     if rest:
         block[full_ranks, : rest * p.row_numel].copy_(grad[full_ranks * rows :].reshape(-1))
+
+
+# Dtypes some backends cannot all-gather (gloo has no float8): a unit holding them gathers bytes.
+_BYTES_ONLY = frozenset(
+    getattr(torch, name)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
 
 
 class _preserve_versions:

@@ -265,7 +265,7 @@ class Unit:
         self.init_compute()
 
     def _reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.layout.gather_dtype
+        return self.mp_policy.reduce_dtype or self.layout.compute_dtype
 
     # ------------------------------------------------------------------ unshard
 

@@ -108,13 +108,18 @@ class UnitLayout(Protocol):
         ...
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the full parameters that train, and so of their gradients."""
+        ...
+
+    @property
     def gather_dtype(self) -> torch.dtype:
-        """The dtype of the all-gather (the compute dtype)."""
+        """The dtype of the last all-gather: the compute dtype, or ``uint8`` for bytes."""
         ...
 
     @property
     def gather_numel(self) -> int:
-        """Elements each rank contributes to the all-gather."""
+        """Elements (of ``gather_dtype``) each rank contributed to the last all-gather."""
         ...
 
     def registered_params(self) -> list[torch.nn.Parameter]:
@@ -143,7 +148,7 @@ class UnitLayout(Protocol):
         ...
 
     def gather_input(self, device: torch.device) -> torch.Tensor:
-        """This rank's all-gather input: 1-D, ``gather_numel``, gather dtype, on ``device``."""
+        """This rank's all-gather input (1-D, on ``device``); sets gather_numel and gather_dtype."""
         ...
 
     def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
