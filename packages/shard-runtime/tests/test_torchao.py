@@ -11,8 +11,11 @@ unit PyTorch cannot gather on gloo compares shard with a one-process run.
 [Note: counting the same way for both]
 Hook calls are counted by wrapping the subclass's two methods, all-gathered
 bytes by wrapping the ``torch.distributed`` all-gather functions both
-engines call (``all_gather_single``, and ``all_gather`` for shard's chunked
-gather of large outputs): the output's bytes and dtype per call. shard's
+engines call (``all_gather_single`` today, its older name
+``all_gather_into_tensor``, and ``all_gather`` for shard's chunked gather of
+large outputs): the output's bytes and dtype per call. Both engines look
+these up on ``torch.distributed`` at each call, and the hooks on the local
+tensor at each all-gather, so wrapping them around the steps sees every call. shard's
 lazy init gathers the model fingerprint over the mesh, so every run first
 does one forward and backward and drops its gradients (no parameter
 changes), and counts from the first training step on. The warm-up has a
@@ -107,17 +110,22 @@ def _counting_all_gathers() -> Iterator[dict[str, int]]:
             key = str(tensor.dtype).removeprefix("torch.")
             gathered[key] = gathered.get(key, 0) + tensor.numel() * tensor.element_size()
 
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "all_gather")}
+    singles = ("all_gather_single", "all_gather_into_tensor")
+    originals = {name: getattr(dist, name) for name in (*singles, "all_gather")}
 
-    def single(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        add([output])
-        return originals["all_gather_single"](output, *args, **kwargs)
+    def single(name: str) -> Callable[..., Any]:
+        def gather(output: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            add([output])
+            return originals[name](output, *args, **kwargs)
+
+        return gather
 
     def listed(outputs: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         add(outputs)
         return originals["all_gather"](outputs, *args, **kwargs)
 
-    dist.all_gather_single = single  # type: ignore[assignment]
+    for name in singles:
+        setattr(dist, name, single(name))
     dist.all_gather = listed  # type: ignore[assignment]
     try:
         yield gathered
