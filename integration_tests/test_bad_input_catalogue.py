@@ -39,12 +39,12 @@ test covers the same input, that test's file:
     MeshError [mesh_size_vs_world], also shard-comms/tests/test_mesh.py
 11. fully_shard applied twice to one module
     AssertionError [fully_shard_twice], also shard-runtime/tests/test_compat_fully_shard.py
-12. parameters of mixed dtypes in one unit (fully_shard)
-    LayoutError [mixed_dtypes], also shard-runtime/tests/test_fully_shard_api.py
+12. a tensor subclass parameter with fsdp_pre_all_gather but no fsdp_post_all_gather
+    AssertionError [one_extension_hook], also shard-runtime/tests/test_fully_shard_extensions.py
 13. parameters of mixed dtypes in one flat unit (FullyShardedDataParallel)
     LayoutError [wrapper_mixed_dtypes]
-14. an integer parameter in a floating-point unit
-    LayoutError [integer_param_in_unit]
+14. a tensor subclass parameter in one flat unit (FullyShardedDataParallel)
+    TypeError [wrapper_subclass_param], also shard-runtime/tests/test_fully_shard_extensions.py
 15. integer parameters requiring grad (an integer param_dtype for trainable parameters)
     LayoutError [integer_param_dtype]
 16. optimizer.step() before backward finished (in a backward hook)
@@ -260,10 +260,39 @@ def _fully_shard_twice() -> None:
     fully_shard(model, mesh=_mesh())
 
 
+class _Float64Scale(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).double() * self.scale
+
+
 def _mixed_dtypes() -> None:
-    model = nn.Linear(4, 4)
-    model.bias = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    """Allowed since #23: one unit of several dtypes gathers bytes, reduces per dtype."""
+    model = _Float64Scale()
     fully_shard(model, mesh=_mesh())
+    model(torch.ones(2, 4)).sum().backward()
+
+
+class _OnlyPreAllGather(torch.Tensor):
+    """Half of the tensor-subclass all-gather contract."""
+
+    def fsdp_pre_all_gather(self, mesh: object) -> tuple[tuple[torch.Tensor, ...], object]:
+        return (self,), None
+
+
+def _one_extension_hook() -> None:
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(model.weight.detach().as_subclass(_OnlyPreAllGather))
+    fully_shard(model, mesh=_mesh())
+
+
+def _wrapper_subclass_param() -> None:
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(model.weight.detach().as_subclass(_OnlyPreAllGather))
+    FullyShardedDataParallel(model, device_mesh=_mesh())
 
 
 def _wrapper_mixed_dtypes() -> None:
@@ -273,9 +302,11 @@ def _wrapper_mixed_dtypes() -> None:
 
 
 def _integer_param_in_unit() -> None:
+    """Allowed since #23: a frozen integer parameter travels as bytes beside the others."""
     model = nn.Linear(4, 4)
     model.register_parameter("index", nn.Parameter(torch.zeros(4, dtype=torch.int64), False))
     fully_shard(model, mesh=_mesh())
+    model(torch.ones(2, 4)).sum().backward()
 
 
 def _step_in_backward() -> None:
@@ -429,9 +460,9 @@ RANK_SCENARIOS: dict[str, Callable[[], None]] = {
     "wrapper_sync_models_differ": _wrapper_sync_models_differ,
     "mesh_size_vs_world": _mesh_size_vs_world,
     "fully_shard_twice": _fully_shard_twice,
-    "mixed_dtypes": _mixed_dtypes,
+    "one_extension_hook": _one_extension_hook,
     "wrapper_mixed_dtypes": _wrapper_mixed_dtypes,
-    "integer_param_in_unit": _integer_param_in_unit,
+    "wrapper_subclass_param": _wrapper_subclass_param,
     "step_in_backward": _step_in_backward,
     "meta_at_forward": _meta_at_forward,
     "container_without_forward": _container_without_forward,
@@ -487,6 +518,8 @@ HYBRID_SCENARIOS: dict[str, Callable[[], None]] = {
 # Not bad input: scenarios the checks above must let through, run in the same group.
 ALLOWED_SCENARIOS: dict[str, Callable[[], None]] = {
     "step_in_backward_after_reduce": _step_in_backward_after_reduce,
+    "mixed_dtypes": _mixed_dtypes,
+    "integer_param_in_unit": _integer_param_in_unit,
 }
 
 
@@ -742,12 +775,12 @@ CATALOGUE: list[Kind] = [
         "shard-runtime/tests/test_compat_fully_shard.py",
     ),
     Kind(
-        "mixed_dtypes",
-        "parameters of mixed dtypes in one unit (fully_shard)",
-        LayoutError,
-        ("fully_shard(Linear)", "weight (float32)", "bias (float64)"),
-        ("MixedPrecisionPolicy(param_dtype=...)", "shard the differently typed submodule"),
-        "shard-runtime/tests/test_fully_shard_api.py",
+        "one_extension_hook",
+        "a tensor subclass parameter with fsdp_pre_all_gather but no fsdp_post_all_gather",
+        AssertionError,
+        ("parameter 'weight'", "_OnlyPreAllGather", "not fsdp_post_all_gather"),
+        ("Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined",),
+        "shard-runtime/tests/test_fully_shard_extensions.py",
     ),
     Kind(
         "wrapper_mixed_dtypes",
@@ -757,11 +790,12 @@ CATALOGUE: list[Kind] = [
         ("cast them to one dtype", "wrap the differently typed submodule"),
     ),
     Kind(
-        "integer_param_in_unit",
-        "an integer parameter in a floating-point unit",
-        LayoutError,
-        ("fully_shard(Linear)", "index (int64)"),
-        ("shard the differently typed submodule separately",),
+        "wrapper_subclass_param",
+        "a tensor subclass parameter in one flat unit (FullyShardedDataParallel)",
+        TypeError,
+        ("FullyShardedDataParallel(Linear)", "parameter 'weight'", "_OnlyPreAllGather"),
+        ("Shard this module with fully_shard",),
+        "shard-runtime/tests/test_fully_shard_extensions.py",
     ),
     Kind(
         "integer_param_dtype",

@@ -34,12 +34,8 @@ def _deferred_all_reduce(defer: bool) -> dict[str, torch.Tensor]:
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     grads["all_reduces"] = torch.tensor(counts.calls("all_reduce"))
     # Reductions or partials left once every reduction has landed (none may stay behind).
-    grads["left_over"] = torch.tensor(
-        sum(
-            s.unit.reductions.issued is not None or s.unit.reductions.partial is not None
-            for s in states_in([model])
-        )
-    )
+    reductions = [s.unit.reductions for s in states_in([model])]
+    grads["left_over"] = torch.tensor(sum(bool(r.issued or r.partials) for r in reductions))
     return grads
 
 

@@ -57,7 +57,7 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor:
 
 def _pending(model: nn.Module) -> list[str]:
     """Labels of the units with a reduction issued but not landed yet."""
-    return [s.unit.comm_label for s in states_in([model]) if s.unit.reductions.issued is not None]
+    return [s.unit.comm_label for s in states_in([model]) if s.unit.reductions.issued]
 
 
 def _root_state(model: nn.Module) -> UnitState:

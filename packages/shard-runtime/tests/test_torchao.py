@@ -469,3 +469,61 @@ def test_float8_all_gather_of_weights_only_units_trains_on_gloo(rank_pool: RankP
         # per step 2 units gathered for forward and again for backward, 1 byte per weight value
         step = {"all_gathered_bytes": 4 * _FLOAT8_DIM * _FLOAT8_DIM, "hooks": {"pre": 4, "post": 4}}
         assert shard_result["steps"] == [step] * _STEPS
+
+
+# - DCP: a checkpoint of subclass weights saves and loads as the subclass
+
+
+def _dcp_model(kind: str, other: bool, shard_with: ShardWith) -> nn.Sequential:
+    """The model to save, or (``other``) one of the same shapes with other weights to load into."""
+    model = _qlora_model() if kind == "nf4" else _float8_model(bias=True)
+    if other:
+        with torch.no_grad():
+            for module in model:
+                if isinstance(module, _QLoRALinear):
+                    base = torch.randn(module.weight.shape)
+                    module.weight = nn.Parameter(to_nf4(base), requires_grad=False)
+                else:
+                    for param in module.parameters():
+                        param.mul_(2.0)
+    mesh = init_device_mesh("cpu", (_WORLD,))
+    for layer in model:
+        shard_with(layer, mesh=mesh)
+    shard_with(model, mesh=mesh)
+    return model
+
+
+def _dcp_round_trip(kind: str, directory: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    result: dict[str, Any] = {}
+    for name, shard_with in (("torch", torch_fully_shard), ("shard", fully_shard)):
+        x = torch.randn(_BATCH, _QLORA_DIMS[0][0] if kind == "nf4" else _FLOAT8_DIM)
+        saved = _dcp_model(kind, False, shard_with)
+        expected = saved(x).detach()
+        path = f"{directory}/{name}"
+        dcp.save(saved.state_dict(), checkpoint_id=path)
+        loaded = _dcp_model(kind, True, shard_with)
+        before = loaded(x).detach()
+        state = loaded.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        loaded.load_state_dict(state)
+        local = loaded[0].weight.to_local()
+        result[name] = {
+            "changed_before_load": not torch.equal(before, expected),
+            "equal_after_load": torch.equal(loaded(x).detach(), expected),
+            "local": type(local).__name__,
+        }
+    dist.barrier()
+    return result
+
+
+@pytest.mark.parametrize("kind", ["nf4", "float8"])
+def test_dcp_round_trip_keeps_the_subclass_as_under_pytorch(
+    rank_pool: RankPool, kind: str, tmp_path: Any
+) -> None:
+    """Save a sharded NF4 / float8 model with DCP, load it into another: same outputs, same type."""
+    for result in rank_pool.run(_dcp_round_trip, _WORLD, kind, str(tmp_path)):
+        local = "NF4Tensor" if kind == "nf4" else "WeightWithDynamicFloat8CastTensor"
+        expected = {"changed_before_load": True, "equal_after_load": True, "local": local}
+        assert result == {"torch": expected, "shard": expected}

@@ -32,11 +32,23 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from shard_core import contiguous_stride
 from shard_runtime._storage import alloc_storage, free_storage
 
-__all__ = ["AllGatherExtension", "extension_of"]
+__all__ = ["AllGatherExtension", "extension_of", "is_tensor_subclass"]
+
+
+def is_tensor_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its data) is a user's tensor subclass, not plain.
+
+    Such a tensor is sharded with the ops subclasses implement and may carry
+    the hooks below. Fake tensors (``FakeTensorMode``, shard-testing's
+    simulation) stand for plain ones.
+    """
+    data = tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
+    return type(data) is not torch.Tensor and not isinstance(data, FakeTensor)
 
 
 def extension_of(fqn: str, local: torch.Tensor) -> AllGatherExtension | None:

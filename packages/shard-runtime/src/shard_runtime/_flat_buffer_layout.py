@@ -175,8 +175,8 @@ class FlatBufferLayout:
         return self.flat_layout is None or self.requires_grad
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        return self.gather_dtype
+    def grad_dtypes(self) -> list[torch.dtype]:
+        return [self.gather_dtype]
 
     @property
     def gather_dtype(self) -> torch.dtype:
@@ -186,7 +186,7 @@ class FlatBufferLayout:
     def gather_numel(self) -> int:
         return self.shard.numel()
 
-    def reduce_numel(self) -> int:
+    def reduce_numel(self, bucket: int = 0) -> int:
         return self.shard.numel()
 
     def registered_params(self) -> list[nn.Parameter]:
@@ -373,7 +373,7 @@ class FlatBufferLayout:
         self.unsharded_param.grad = None
 
     def reduce_input(
-        self, world: int, dtype: torch.dtype, device: torch.device
+        self, world: int, dtype: torch.dtype, device: torch.device, bucket: int = 0
     ) -> tuple[torch.Tensor, GradPresence]:
         grad = self.unsharded_param.grad
         assert grad is not None
@@ -382,7 +382,7 @@ class FlatBufferLayout:
         return (grad if grad.dtype == dtype else grad.to(dtype)), None
 
     def accumulate(
-        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool, bucket: int = 0
     ) -> None:
         dtype = self.gather_dtype if self.keep_low_precision_grads else self.shard.dtype
         reduced = output.to(device=self.shard.device, dtype=dtype)

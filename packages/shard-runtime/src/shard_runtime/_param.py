@@ -55,7 +55,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from shard_comms.plumbing import joined_mesh
 from shard_core import contiguous_stride, dim0_chunk_range, padded_dim0_size
-from shard_runtime._all_gather_extension import AllGatherExtension, extension_of
+from shard_runtime._all_gather_extension import (
+    AllGatherExtension,
+    extension_of,
+    is_tensor_subclass,
+)
 from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import is_flat_layout
 from shard_runtime._storage import alloc_storage, free_storage
@@ -173,7 +177,7 @@ class ShardedParam:
         placed = _placement(fqn, param, mesh, shard_dim, dp_axes)
         data = placed.data
         data_shape = data.shape
-        subclass = _is_subclass(data)
+        subclass = is_tensor_subclass(data)
         flat = (
             flat
             and not subclass
@@ -336,18 +340,14 @@ class ShardedParam:
     def extension_inputs(self, device: torch.device, mp_policy: object) -> list[torch.Tensor]:
         """What ``fsdp_pre_all_gather`` sends for this parameter (1-D tensors, on ``device``).
 
-        The hook sees the sharded local tensor (where, e.g., float8's
-        precomputed scale is set), padded first when this rank's shard is short.
+        The hook sees the sharded local tensor itself (where, e.g., float8's
+        precomputed scale is set), unpadded; a rank whose shard is short must
+        return inputs of the padded shard size, as PyTorch requires.
         """
         extension = self.extension
         assert extension is not None
         local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         padded = self.padded_shape
-        if local.size() != padded:
-            short = local
-            local = short.new_zeros(padded)
-            if short.numel() > 0:
-                local.narrow(self.shard_dim, 0, short.size(self.shard_dim)).copy_(short)
         if local.device != device:
             local = local.to(device, non_blocking=True)
         module = self.owners[0].module
@@ -486,7 +486,10 @@ class ShardedParam:
     def version_tensors(self) -> list[torch.Tensor]:
         """The unsharded tensors whose version counters a gather write must preserve."""
         if self.extension is not None:
-            return []  # the hook refreshes its own tensor's inner data; autograd saved the outer
+            # The outputs are rewritten in place each gather, and the full tensor the hook
+            # built may be a view of them (a plain tensor autograd saved).
+            built = [self.unsharded_param] if self.extension.built else []
+            return [*self.extension.outputs, *built]
         param = self.unsharded_param
         if isinstance(param, DTensor):
             local = param.to_local()
@@ -516,9 +519,9 @@ class ShardedParam:
         and kept as it is when already of the padded size, so it stays that
         subclass (an NF4 weight loaded after meta-device init stays NF4).
         """
-        local = self.sharded_param.to_local()  # type: ignore[attr-defined]
+        local = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         assert isinstance(local, torch.Tensor)
-        if _is_subclass(local) or _is_subclass(self.padded_shard):
+        if is_tensor_subclass(local) or is_tensor_subclass(self.padded_shard):
             self._reset_subclass_shard(local)
             return
         if (
@@ -550,7 +553,7 @@ class ShardedParam:
             self.sharded_param._local_tensor = view  # type: ignore[attr-defined]
         self.padded_shard = padded
         self.installed_local = view
-        self.extension = extension_of(self.fqn, view) if _is_subclass(view) else None
+        self.extension = extension_of(self.fqn, view) if is_tensor_subclass(view) else None
 
     # -------------------------------------------------------------- gradients
 
@@ -725,12 +728,6 @@ def _padded_shard(
     with torch.no_grad():
         padded.narrow(shard_dim, 0, len(rows)).copy_(data.narrow(shard_dim, rows.start, len(rows)))
     return padded.pin_memory() if pin_memory else padded
-
-
-def _is_subclass(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (a parameter's data) is a tensor subclass, not a plain tensor."""
-    data = tensor.detach() if isinstance(tensor, nn.Parameter) else tensor
-    return type(data) is not torch.Tensor
 
 
 def _padded_subclass_shard(

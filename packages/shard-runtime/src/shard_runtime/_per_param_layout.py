@@ -29,6 +29,26 @@ dtype set by the mixed-precision policy, the kept gradient is converted to it
 once (:meth:`ShardedParam.keep_grad`) and each later backward's gradient is
 added to it in that dtype (:meth:`ShardedParam.fold_grad`), so bf16 compute
 with fp32 reduction sums the micro-batches in fp32, as PyTorch does.
+
+[Note: one all-gather, many dtypes]
+A unit's parameters need not share a dtype: an fp32 LoRA adapter beside a
+bf16 base, or tensor subclasses whose ``fsdp_pre_all_gather`` sends several
+tensors of their own dtypes (NF4: ``uint8`` data, an ``int8`` and a float
+scale). When everything a unit sends has one dtype the all-gather moves that
+dtype, as before; otherwise it moves bytes: each tensor is viewed as
+``uint8`` and the pieces are concatenated, so the unit still issues one
+collective and the bytes on the wire are exactly the tensors' bytes (what
+PyTorch sends for subclasses). Float8 tensors always travel as bytes, because
+gloo cannot all-gather float8 dtypes. The plan of the last gather (dtype and
+each piece's size) is what :meth:`PerParamLayout.finish_gather` splits by.
+
+[Note: one reduction per gradient dtype]
+Gradients are summed, so they cannot travel as bytes. A unit whose trainable
+parameters compute in several dtypes issues one reduce-scatter per dtype, each
+in its own dtype (a bucket of the parameters of that dtype, in the unit's
+order); with ``MixedPrecisionPolicy(reduce_dtype=...)`` there is one bucket in
+that dtype. PyTorch 2.13 refuses such units; with one dtype there is one
+bucket, the same single reduce-scatter as before.
 """
 
 from __future__ import annotations
@@ -42,7 +62,6 @@ from shard_runtime._unit_layout import (
     GradPresence,
     ParamFacts,
     ReplacementCheck,
-    check_one_dtype,
 )
 
 __all__ = ["PerParamLayout"]
@@ -60,7 +79,6 @@ class PerParamLayout:
         #   every forward]
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
-        self._compute_dtype: torch.dtype | None = None
         self._all_dim0 = all(p.shard_dim == 0 for p in params)
         # - the last gather's plan (see [Note: one all-gather, many dtypes]); sizes in
         #   elements of the gather's dtype, per parameter and per tensor it sends
@@ -69,7 +87,9 @@ class PerParamLayout:
         self._gather_numel = sum(p.padded_numel for p in params)
         # - fixed for the group's life (a re-adopted shard keeps its padded shape)
         self._padded_numels = [p.padded_numel for p in params]
-        self._reduce_numel = sum(p.padded_numel for p in self.trainable)
+        # - the trainable parameters by reduction; see [Note: one reduction per gradient dtype]
+        self._buckets: list[list[ShardedParam]] = [self.trainable]
+        self._grad_dtypes: list[torch.dtype] = []
 
     # ------------------------------------------------------------------ facts
 
@@ -95,16 +115,16 @@ class PerParamLayout:
         return self._gather_dtype
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        assert self._compute_dtype is not None, "init_compute first"
-        return self._compute_dtype
-
-    @property
     def gather_numel(self) -> int:
         return self._gather_numel
 
-    def reduce_numel(self) -> int:
-        return self._reduce_numel
+    def reduce_numel(self, bucket: int = 0) -> int:
+        return sum(p.padded_numel for p in self._buckets[bucket])
+
+    @property
+    def grad_dtypes(self) -> list[torch.dtype]:
+        assert self._grad_dtypes or not self.trainable, "init_compute first"
+        return self._grad_dtypes
 
     def registered_params(self) -> list[torch.nn.Parameter]:
         return [param for p in self.params for param in (p.sharded_param, p.unsharded_param)]
@@ -154,27 +174,24 @@ class PerParamLayout:
         for p in self.params:
             p.init_unsharded(param_dtype or p.padded_shard.dtype, device)
         self._hook_trainable()
-        self._check_grad_dtypes()
-        self._compute_dtype = self.params[0].unsharded_param.dtype if self.params else torch.float32
+        self._plan_buckets()
         self._gather_dtype = None if self.params else torch.float32
 
-    def _check_grad_dtypes(self) -> None:
-        """The trainable parameters' gradients share one dtype (one reduction moves them).
+    def _plan_buckets(self) -> None:
+        """Group the trainable parameters by the dtype their gradients reduce in.
 
-        The all-gather mixes dtypes freely (as bytes); frozen parameters never
-        reduce. That dtype is the unit's compute dtype (the reduction's default).
+        That is the full parameter's dtype: the compute dtype, or what a
+        subclass's ``fsdp_post_all_gather`` made. See [Note: one reduction per
+        gradient dtype].
         """
-        leading = self.trainable or self.params
-        self._compute_dtype = leading[0].compute_dtype if leading else torch.float32
-        reduce_dtype = getattr(self._mp_policy, "reduce_dtype", None)
-        if reduce_dtype is not None:
-            return
-        check_one_dtype(
-            f"fully_shard({self._label or 'root'})",
-            [(p.fqn, p.compute_dtype) for p in self.params if p.requires_grad],
-            "give MixedPrecisionPolicy(param_dtype=...) or reduce_dtype=..., or shard the "
-            "differently typed submodule separately",
-        )
+        if getattr(self._mp_policy, "reduce_dtype", None) is not None or not self.trainable:
+            self._buckets = [self.trainable]
+        else:
+            by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+            for p in self.trainable:
+                by_dtype.setdefault(p.unsharded_param.dtype, []).append(p)
+            self._buckets = list(by_dtype.values())
+        self._grad_dtypes = [bucket[0].unsharded_param.dtype for bucket in self._buckets if bucket]
 
     def reset_after_apply(self) -> None:
         for p in self.params:
@@ -188,9 +205,8 @@ class PerParamLayout:
         for p in self.params:
             p.sync_requires_grad()
         self.trainable = [p for p in self.params if p.requires_grad]
-        self._reduce_numel = sum(p.padded_numel for p in self.trainable)
         self._hook_trainable()
-        self._check_grad_dtypes()
+        self._plan_buckets()
 
     def _hook_trainable(self) -> None:
         """Hook each trainable unsharded parameter's gradient (once; frozen ones cannot be)."""
@@ -280,6 +296,8 @@ class PerParamLayout:
                         rebuilt.append(index)
         for index in rebuilt:
             self._rehook(index)
+        if rebuilt:  # a subclass's full tensor may compute in a dtype of its own
+            self._plan_buckets()
         for p in self.params:
             p.to_unsharded()
 
@@ -312,14 +330,14 @@ class PerParamLayout:
             p.drop_unsharded_grads()
 
     def reduce_input(
-        self, world: int, dtype: torch.dtype, device: torch.device
+        self, world: int, dtype: torch.dtype, device: torch.device, bucket: int = 0
     ) -> tuple[torch.Tensor, GradPresence]:
-        per_rank = self.reduce_numel()
+        per_rank = self.reduce_numel(bucket)
         full = torch.empty(world * per_rank, dtype=dtype, device=device)
         columns = full.view(world, per_rank)
         offset = 0
         with_grad: list[bool] = []
-        for p in self.trainable:
+        for p in self._buckets[bucket]:
             p.fold_grad()
             grad = p.unsharded_grad()
             with_grad.append(grad is not None)
@@ -329,11 +347,12 @@ class PerParamLayout:
         return full, tuple(with_grad)
 
     def accumulate(
-        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool, bucket: int = 0
     ) -> None:
+        params = self._buckets[bucket]
         offset = 0
-        with_grad = presence if presence is not None else (True,) * len(self.trainable)
-        for p, has_grad in zip(self.trainable, with_grad, strict=True):
+        with_grad = presence if presence is not None else (True,) * len(params)
+        for p, has_grad in zip(params, with_grad, strict=True):
             # The real rows lead the padded block (padding exists only on dim 0).
             local_shape = p.local_shape
             local = output[offset : offset + local_shape.numel()]

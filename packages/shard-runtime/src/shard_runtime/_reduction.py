@@ -1,11 +1,13 @@
 """A unit's gradient reductions between being issued and landing in the sharded gradients.
 
-Each unit has one :class:`Reductions`: the reduction it has issued and not
-landed yet (at most one: a unit lands its previous reduction before issuing
-the next), and the partial result a deferred replica all-reduce keeps
-(``set_requires_all_reduce(False)``). Nothing else records a reduction in
-flight: the root's :class:`~shard_runtime._comm.CommContext` only orders the
-issued ones of every unit, to bound how many are in flight together.
+Each unit has one :class:`Reductions`: the reductions it has issued and not
+landed yet (those of one backward: one per gradient dtype, see [Note: one
+reduction per gradient dtype] in ``_per_param_layout.py``; a unit lands its
+previous ones before issuing the next), and the partial results a deferred
+replica all-reduce keeps (``set_requires_all_reduce(False)``), by bucket.
+Nothing else records a reduction in flight: the root's
+:class:`~shard_runtime._comm.CommContext` only orders the issued ones of
+every unit, to bound how many are in flight together.
 
 [Note: the path of one gradient]
 From autograd's last accumulation into a full gradient to the sharded
@@ -19,7 +21,7 @@ its decision:
    (no gradient sync) or does nothing; it asks
 3. ``Unit.reduce_grads`` (``_unit.py``) to issue the reduce-scatter on the
    reduce-scatter stream (how: groups, dtype, divide factors, comm hook),
-   which returns an :class:`IssuedReduction`, and hands it to
+   which returns an :class:`IssuedReduction` per gradient bucket, and hands each to
 4. ``CommContext.queue`` (``_comm.py``), which lands the oldest reductions
    in flight while the root holds too many (and the end of a last backward
    lands the rest); landing is
@@ -52,21 +54,20 @@ class Reductions:
 
     layout: UnitLayout
     streams: CommStreams
-    issued: IssuedReduction | None = None
-    # Reduce-scattered, waiting for the replica all-reduce (set_requires_all_reduce(False)).
-    partial: torch.Tensor | None = None
-    partial_presence: GradPresence = None
+    issued: list[IssuedReduction] = field(default_factory=list)
+    # By bucket: reduce-scattered, waiting for the replica all-reduce
+    # (set_requires_all_reduce(False)), with its presence.
+    partials: dict[int, tuple[torch.Tensor, GradPresence]] = field(default_factory=dict)
 
     def land(self) -> None:
-        """Land the reduction in flight, if any."""
-        if self.issued is not None:
-            self.issued.land()
+        """Land the reductions in flight, if any, in the order issued."""
+        while self.issued:
+            self.issued[0].land()
 
     def abandon(self) -> None:
-        """Forget the kept partial (a step abandoned after an error); land the rest first."""
+        """Forget the kept partials (a step abandoned after an error); land the rest first."""
         self.land()
-        self.partial = None
-        self.partial_presence = None
+        self.partials.clear()
 
 
 @dataclass(eq=False, slots=True)
@@ -79,6 +80,7 @@ class IssuedReduction:
     """
 
     owner: Reductions
+    bucket: int  # which of the layout's gradient buckets it reduces
     work: CommHandle
     output: torch.Tensor  # this rank's reduce-scattered shard
     issued: EventLike  # the end of the collective's call on the reduce-scatter stream
@@ -101,20 +103,20 @@ class IssuedReduction:
         owner = self.owner
         self.work.wait()
         self.keep_alive = ()
-        if owner.issued is self:
-            owner.issued = None
+        if self in owner.issued:
+            owner.issued.remove(self)
         streams = owner.streams
         self.issued.wait(streams.current())  # See [Note: Stream ordering] in _comm.py.
         output, presence = self.output, self.presence
         if self.replicas is not None:
-            if owner.partial is not None:
+            kept = owner.partials.pop(self.bucket, None)
+            if kept is not None:
                 # The deferred sum joins this one before the replica all-reduce, so the
                 # result is the eager one (see [Note: Comm hooks on the one reduction path]).
-                output.add_(owner.partial)
-                presence = merge_presence(owner.partial_presence, presence)
-                owner.partial, owner.partial_presence = None, None
+                output.add_(kept[0])
+                presence = merge_presence(kept[1], presence)
             if not self.all_reduce_now:
-                owner.partial, owner.partial_presence = output, presence
+                owner.partials[self.bucket] = (output, presence)
                 self.landed = True
                 return
             self.replicas.all_reduce_replicas(output)
@@ -122,7 +124,7 @@ class IssuedReduction:
             self._run_all_reduce_hook(self.all_reduce_hook, streams)
         if self.after_hook != 1.0:
             output.div_(self.after_hook)
-        owner.layout.accumulate(output, presence, zero_unused=self.zero_unused)
+        owner.layout.accumulate(output, presence, zero_unused=self.zero_unused, bucket=self.bucket)
         self.landed = True
 
     def _run_all_reduce_hook(

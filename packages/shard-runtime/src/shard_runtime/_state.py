@@ -603,10 +603,10 @@ class UnitState:
                 if target.unit.unshard_in_backward and target.runs_backward:
                     self._prefetch(target)
         if unit.requires_gradient_sync:
-            issued = unit.reduce_grads()
-            if issued is not None:  # a unit without gradients leaves the others in flight
-                # At most ``reduce_scatter_max_input_buffers`` reductions in flight bounds the
-                # memory their buffers hold; see [Note: Sharing the communication context].
+            # A unit without gradients issues nothing and leaves the others in flight. At
+            # most ``reduce_scatter_max_input_buffers`` reductions in flight bounds the memory
+            # their buffers hold; see [Note: Sharing the communication context].
+            for issued in unit.reduce_grads():
                 root.unit.comm_ctx.queue(issued, unit.reduce_scatter_max_input_buffers)
         else:
             unit.layout.keep_grads(unit.mp_policy.reduce_dtype)

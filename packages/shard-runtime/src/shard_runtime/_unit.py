@@ -264,9 +264,6 @@ class Unit:
         self.layout.reset_after_apply()
         self.init_compute()
 
-    def _reduce_dtype(self) -> torch.dtype:
-        return self.mp_policy.reduce_dtype or self.layout.compute_dtype
-
     # ------------------------------------------------------------------ unshard
 
     def unshard(self, *, async_op: bool = False) -> None:
@@ -393,7 +390,7 @@ class Unit:
         if not self.layout.requires_grad_changed():
             return
         self.reductions.land()
-        if self.reductions.partial is not None:
+        if self.reductions.partials:
             raise RuntimeError(
                 f"{self.api}({self.comm_label}): requires_grad of a parameter of "
                 f"{', '.join(self.layout.fqns)} changed while its gradients wait for the replica "
@@ -448,33 +445,42 @@ class Unit:
             label=self.comm_label,
         )
 
-    def reduce_grads(self) -> IssuedReduction | None:
-        """Issue the reduction of this unit's full gradients; ``None`` if there are none.
+    def reduce_grads(self) -> list[IssuedReduction]:
+        """Issue the reductions of this unit's full gradients; none if there are none.
 
-        Step 3 of [Note: the path of one gradient] in ``_reduction.py``. The
-        result is averaged over every data-parallel rank (shard x replicate)
-        unless the unit's communication controls say otherwise (see [Note:
-        Communication controls]). With ``reduce_scatter_unused_params`` a unit
-        that got no gradient reduces zeros. A ``comm_hook`` replaces the
-        reduce-scatter (and the replica all-reduce when it can run at once);
-        everything else is the same code (see [Note: Comm hooks on the one
-        reduction path]).
+        Step 3 of [Note: the path of one gradient] in ``_reduction.py``. One
+        reduction per gradient bucket (one, unless the trainable parameters
+        mix dtypes: see [Note: one reduction per gradient dtype] in
+        ``_per_param_layout.py``). The result is averaged over every
+        data-parallel rank (shard x replicate) unless the unit's communication
+        controls say otherwise (see [Note: Communication controls]). With
+        ``reduce_scatter_unused_params`` a unit that got no gradient reduces
+        zeros. A ``comm_hook`` replaces the reduce-scatter (and the replica
+        all-reduce when it can run at once); everything else is the same code
+        (see [Note: Comm hooks on the one reduction path]).
         """
         if self.layout.num_trainable == 0 or not (
             self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params
         ):
-            return None
+            return []
         # One unit's reductions land in the order issued; see [Note: a backward that is not
         # the last] in _state.py.
         self.reductions.land()
-        reduce_dtype = self._reduce_dtype()
+        issued = [
+            self._reduce_bucket(bucket, self.mp_policy.reduce_dtype or grad_dtype)
+            for bucket, grad_dtype in enumerate(self.layout.grad_dtypes)
+        ]
+        self.reductions.issued = list(issued)
+        return issued
+
+    def _reduce_bucket(self, bucket: int, reduce_dtype: torch.dtype) -> IssuedReduction:
         plan = self.divide_plan(reduce_dtype)
         # See [Note: Comm hooks on the one reduction path].
         hook_replicates = (
             self.comm_hook is not None
             and self.replicate_group is not None
             and self.requires_all_reduce
-            and self.reductions.partial is None
+            and bucket not in self.reductions.partials
         )
         reducer = self.grad_reducer(plan)
         hook_reducer = (
@@ -485,10 +491,11 @@ class Unit:
             else self.grad_reducer(plan, replicas=False)
         )
         work, output, event, presence, full = self._start_reduction(
-            reducer, hook_reducer, reduce_dtype
+            reducer, hook_reducer, reduce_dtype, bucket
         )
-        issued = IssuedReduction(
+        return IssuedReduction(
             owner=self.reductions,
+            bucket=bucket,
             work=work,
             output=output,
             issued=event,
@@ -501,14 +508,13 @@ class Unit:
             after_hook=plan.after_hook,
             keep_alive=(full,),
         )
-        self.reductions.issued = issued
-        return issued
 
     def _start_reduction(
         self,
         reducer: DefaultGradReducer,
         hook_reducer: DefaultGradReducer | None,
         reduce_dtype: torch.dtype,
+        bucket: int,
     ) -> tuple[CommHandle, torch.Tensor, EventLike, GradPresence, torch.Tensor]:
         """Copy the gradients in and start the collective on the reduce-scatter stream.
 
@@ -526,18 +532,20 @@ class Unit:
         stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
             full, presence = self.layout.reduce_input(
-                self.shard_world, reduce_dtype, self.compute_device
+                self.shard_world, reduce_dtype, self.compute_device, bucket
             )
             into: torch.Tensor | None = None  # a custom reduce-scatter allocates its own
             if self.custom_reduce_scatter is None and self._group_allocates(group):
                 staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
                 full = staged.copy_(full)
                 into = comm_buffer(
-                    self.layout.reduce_numel(), reduce_dtype, self.compute_device, group
+                    self.layout.reduce_numel(bucket), reduce_dtype, self.compute_device, group
                 )
             elif self.custom_reduce_scatter is None or hook is not None:
                 into = torch.empty(
-                    self.layout.reduce_numel(), dtype=reduce_dtype, device=self.compute_device
+                    self.layout.reduce_numel(bucket),
+                    dtype=reduce_dtype,
+                    device=self.compute_device,
                 )
             if hook is None:
                 output, work = reducer.scatter(full, into, async_op=True)

@@ -108,8 +108,12 @@ class UnitLayout(Protocol):
         ...
 
     @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of the full parameters that train, and so of their gradients."""
+    def grad_dtypes(self) -> list[torch.dtype]:
+        """The dtype of each reduction's gradients, one per bucket a backward reduces.
+
+        One entry unless the trainable parameters compute in several dtypes;
+        see [Note: one reduction per gradient dtype] in ``_per_param_layout.py``.
+        """
         ...
 
     @property
@@ -188,9 +192,9 @@ class UnitLayout(Protocol):
         ...
 
     def reduce_input(
-        self, world: int, dtype: torch.dtype, device: torch.device
+        self, world: int, dtype: torch.dtype, device: torch.device, bucket: int = 0
     ) -> tuple[torch.Tensor, GradPresence]:
-        """The full gradients as a 1-D ``world * reduce_numel`` buffer, zero-padded.
+        """Bucket ``bucket``'s full gradients as a 1-D ``world * reduce_numel`` buffer, padded.
 
         The full gradients are released; the buffer is scratch for the
         collective. Returned with which parameters had a gradient, which
@@ -198,14 +202,14 @@ class UnitLayout(Protocol):
         """
         ...
 
-    def reduce_numel(self) -> int:
-        """Elements of one rank's reduced gradient shard."""
+    def reduce_numel(self, bucket: int = 0) -> int:
+        """Elements of one rank's reduced gradient shard of bucket ``bucket``."""
         ...
 
     def accumulate(
-        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool
+        self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool, bucket: int = 0
     ) -> None:
-        """Add the reduced gradient shard ``output`` to the sharded gradients.
+        """Add the reduced gradient shard ``output`` of ``bucket`` to the sharded gradients.
 
         ``presence`` is what :meth:`reduce_input` returned (merged over the
         reductions summed into ``output``). A parameter no rank sent a gradient

@@ -53,6 +53,7 @@ from shard_comms import DefaultGradReducer, resolve_comm_hook
 from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_mesh
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
+from shard_runtime._all_gather_extension import is_tensor_subclass
 from shard_runtime._clip import clip_grad_norm
 from shard_runtime._flat_buffer_layout import FlatBufferLayout, FlatParamSpec
 from shard_runtime._front_end import BackwardPrefetchMode, FrontEndRules
@@ -225,6 +226,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         _check_frozen_mix(
             specs, self.use_orig_params, type(module).__name__, warn=self._made_by_policy
         )
+        _check_plain_tensors(specs, type(module).__name__)
         check_one_dtype(
             f"FullyShardedDataParallel({type(module).__name__})",
             [(spec.fqn, spec.param.dtype) for spec in specs],
@@ -686,6 +688,24 @@ def _collect_specs(
 
     params = owned_params([module], enter=enter, take=lambda p: p not in ignored_params)
     return [FlatParamSpec(fqn, param, owners) for fqn, param, owners in params]
+
+
+def _check_plain_tensors(specs: list[FlatParamSpec], module_name: str) -> None:
+    """Refuse tensor-subclass parameters: one flat buffer holds plain elements only.
+
+    A subclass (torchao's NF4 or float8 weights) keeps its own data layout and
+    all-gathers through ``fsdp_pre_all_gather``, which only ``fully_shard``'s
+    per-parameter layout honours (PyTorch's FSDP1 flattens and loses it).
+    """
+    for spec in specs:
+        if is_tensor_subclass(spec.param):
+            kind = type(spec.param.detach()).__name__
+            raise TypeError(
+                f"FullyShardedDataParallel({module_name}): parameter {spec.fqn!r} is a "
+                f"{kind}, a tensor subclass; the wrapper's flat buffer holds "
+                "plain tensors only. Shard this module with fully_shard, which keeps the "
+                "subclass and its fsdp_pre_all_gather/fsdp_post_all_gather hooks"
+            )
 
 
 def _check_same_use_orig_params(outer: FullyShardedDataParallel, module: nn.Module) -> None:
