@@ -10,8 +10,7 @@ shard's (and shard's own result objects) and with shard's given PyTorch's object
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,32 +23,10 @@ from torch.distributed.tensor import DTensor
 from shard_comms import count_collectives
 from shard_runtime import FSDPMeshInfo, ShardPlacementResult, fully_shard
 from shard_testing import RankPool
-from shard_testing.compat import error
+from shard_testing.compat import error, torch_fsdp_collectives
 from shard_testing.moe import DIM, build_moe, moe_meshes
 
-TOKENS, STEPS = 4, 3
-
-
-@contextlib.contextmanager
-def count_torch_collectives() -> Iterator[dict[str, list[bool]]]:
-    """The ``async_op`` of every all-gather / reduce-scatter PyTorch's FSDP issues."""
-    seen: dict[str, list[bool]] = {"all_gather": [], "reduce_scatter": []}
-    originals = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
-
-    def counting(kind: str) -> Callable[..., Any]:
-        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-            seen[kind].append(async_op)
-            return originals[kind](*args, async_op=async_op, **kwargs)
-
-        return call
-
-    dist.all_gather_single = counting("all_gather")  # type: ignore[assignment]
-    dist.reduce_scatter_single = counting("reduce_scatter")  # type: ignore[assignment]
-    try:
-        yield seen
-    finally:
-        dist.all_gather_single = originals["all_gather"]  # type: ignore[assignment]
-        dist.reduce_scatter_single = originals["reduce_scatter"]  # type: ignore[assignment]
+TOKENS, STEPS = 4, 2
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +41,7 @@ def _train(impl: str, result_types: tuple[type, type]) -> dict[str, Any]:
     losses, collectives = [], []
     for step in range(STEPS):
         x, y = _batch(step)
-        with count_torch_collectives() as torch_counts, count_collectives() as shard_counts:
+        with torch_fsdp_collectives() as torch_counts, count_collectives() as shard_counts:
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
         if impl == "torch":
