@@ -16,12 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_common as torch_common
 from torch.distributed.tensor import DTensor
 
 from shard_comms import count_collectives
-from shard_runtime import FSDPMeshInfo, ShardPlacementResult, fully_shard
+from shard_runtime import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult, fully_shard
 from shard_testing import RankPool
 from shard_testing.compat import error, torch_fsdp_collectives
 from shard_testing.moe import DIM, build_moe, moe_meshes
@@ -91,6 +92,50 @@ def test_moe_with_expert_meshes_matches_pytorch(rank_pool: RankPool) -> None:
         assert torch_result["groups"] == 2
         for name in ("shard", "shard_given_torch_objects"):
             assert result[name] == torch_result, name
+
+
+def _hsdp(impl: str) -> dict[str, Any]:
+    """Biases replicated over 2 groups of 2 (HSDP), weights sharded over all 4 ranks."""
+    shard_with = torch_fully_shard if impl == "torch" else fully_shard
+    info_cls = torch_common.HSDPMeshInfo if impl == "torch" else HSDPMeshInfo
+    result_cls = torch_common.ShardPlacementResult if impl == "torch" else ShardPlacementResult
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    info = info_cls(mesh=hsdp, shard_mesh_dim=1, replicate_mesh_dim=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+    shard_with(
+        model,
+        mesh=init_device_mesh("cpu", (4,)),
+        shard_placement_fn=lambda p: result_cls(None, info) if p.dim() == 1 else None,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    bias = model[0].bias
+    assert isinstance(bias, DTensor)
+    return {
+        "losses": losses,
+        "params": [p.full_tensor().tolist() for p in model.parameters()],  # type: ignore[attr-defined]
+        "bias": (bias.device_mesh.mesh.tolist(), [str(p) for p in bias.placements]),
+    }
+
+
+def _hsdp_both() -> dict[str, Any]:
+    return {"torch": _hsdp("torch"), "shard": _hsdp("shard")}
+
+
+def test_hsdp_mesh_info_matches_pytorch(rank_pool: RankPool) -> None:
+    """Parameters on an HSDPMeshInfo (replicate x shard) beside ones on the 1-D mesh train as
+    PyTorch's, their DTensors on the 2-D mesh."""
+    for result in rank_pool.run(_hsdp_both, 4):
+        assert result["shard"] == result["torch"]
+        assert result["shard"]["bias"] == ([[0, 1], [2, 3]], ["R", "S(0)"])
 
 
 # ---------------------------------------------------------------------- errors

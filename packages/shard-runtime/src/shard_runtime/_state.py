@@ -3,8 +3,10 @@
 One :class:`UnitState` per ``fully_shard`` call (shared by every module of a
 grouped call) or wrapper; it holds no front-end branch: what differs between
 the two comes in as :class:`~shard_runtime._front_end.FrontEndRules`. It
-owns the unit and decides, from module hooks and autograd hooks, when the
-unit gathers, frees and reduces:
+owns the unit (one per mesh when ``shard_placement_fn`` puts the call's
+parameters on several: see [Note: one unit per process group] in
+``_mesh_groups.py``; they always move together) and decides, from module
+hooks and autograd hooks, when the unit gathers, frees and reduces:
 
 - pre-forward: gather (or finish a prefetched gather), cast inputs;
 - post-forward: free (unless kept), remember the order, hook the outputs;
