@@ -9,6 +9,7 @@ rank's batch, plus the counters the control should move.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -234,7 +235,7 @@ class _PeakContext(CommContext):
         super().__init__()
         self.peak = 0
 
-    def queue(self, pending: InFlight | None, limit: int) -> None:
+    def queue(self, pending: Sequence[InFlight], limit: int) -> None:
         super().queue(pending, limit)
         self.peak = max(self.peak, len(self.in_flight))
 

@@ -17,6 +17,7 @@ from shard_runtime._fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from shard_runtime._mesh_groups import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from shard_runtime._options import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -62,11 +63,13 @@ __all__ = [
     "CPUOffloadPolicy",
     "CustomPolicy",
     "DataParallelMeshDims",
+    "FSDPMeshInfo",
     "FSDPModule",
     "FlatShard",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "HSDPMeshInfo",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
@@ -75,6 +78,7 @@ __all__ = [
     "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
+    "ShardPlacementResult",
     "ShardedOptimStateDictConfig",
     "ShardedStateDictConfig",
     "ShardingStrategy",

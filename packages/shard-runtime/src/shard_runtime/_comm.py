@@ -31,6 +31,7 @@ type per process, which every unit uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -95,14 +96,18 @@ class CommContext:
 
     in_flight: list[InFlight] = field(default_factory=list)
 
-    def queue(self, issued: InFlight, limit: int) -> None:
+    def queue(self, issued: Sequence[InFlight], limit: int) -> None:
         """Add ``issued``, first landing the oldest until fewer than ``limit`` remain.
 
         Step 4 of [Note: the path of one gradient] in ``_reduction.py``.
+        ``issued`` holds one state's reductions (one per unit: several when
+        its parameters are on several meshes), which count as one against
+        ``limit``, as PyTorch counts one module's parameter groups, so a
+        module's units never wait for each other.
         """
         while len(self.in_flight) >= max(limit, 1):
             self.in_flight.pop(0).land()
-        self.in_flight.append(issued)
+        self.in_flight.extend(issued)
 
     def land(self) -> None:
         """Land every reduction in flight, oldest first (the end of a last backward)."""

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from shard_comms import CustomAllGather, CustomReduceScatter, get_device_handle
 from shard_comms.plumbing import default_mesh, post_forward_group, separate_reduce_scatter_group
@@ -27,6 +27,7 @@ from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
 from shard_runtime._front_end import FrontEndRules
+from shard_runtime._mesh_groups import MeshGroup, PlacementFn, group_by_mesh
 from shard_runtime._module_tree import OwnedParam, owned_params
 from shard_runtime._options import (
     CPUOffloadPolicy,
@@ -59,9 +60,10 @@ class UnshardHandle:
         self._state = state
 
     def wait(self) -> None:
-        """Block until the unit's parameters are gathered and registered."""
+        """Block until the module's parameters are gathered and registered (every unit's)."""
         if self._state is not None:
-            self._state.unit.wait_for_unshard()
+            for unit in self._state.units:
+                unit.wait_for_unshard()
             self._state = None
 
 
@@ -106,7 +108,8 @@ class FSDPModule:
         """Free the full parameters and register the sharded ones."""
         state = self._unit_state()
         state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
-        state.unit.reshard()
+        for unit in state.units:
+            unit.reshard()
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather the full parameters; with ``async_op`` return a handle to wait on."""
@@ -117,8 +120,13 @@ class FSDPModule:
             # before the first forward] in _state.py.
             state.adopt_replaced_params()
         state.land_reductions()  # See [Note: a backward that is not the last] in _state.py.
-        state.unit.unshard(async_op=async_op)
-        return UnshardHandle(state) if async_op else None
+        for unit in state.units:  # every unit's gather starts before the first is waited for
+            unit.unshard(async_op=True)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reset_iter_state(self) -> None:
         """Recover after forward or backward raised, so that the next step runs cleanly.
@@ -156,19 +164,22 @@ class FSDPModule:
     ) -> None:
         """Reduce gradients in the next backwards (``False``: accumulate full gradients locally)."""
         for state in self._states(recurse):
-            state.unit.requires_gradient_sync = requires_gradient_sync
+            for unit in state.units:
+                unit.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """On a 2-D mesh, all-reduce across replicas in the next backwards (``False``: defer)."""
         for state in self._states(recurse):
-            state.unit.requires_all_reduce = requires_all_reduce
+            for unit in state.units:
+                unit.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Free full parameters after each unit's backward (``False``: keep them)."""
         for state in self._states(recurse):
-            state.unit.reshard_after_backward = reshard_after_backward
+            for unit in state.units:
+                unit.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free full parameters after each unit's forward (``False``: keep them for backward).
@@ -183,8 +194,7 @@ class FSDPModule:
                 f"{reshard_after_forward!r} ({type(reshard_after_forward).__name__}); pass True "
                 "or False (a group size to reshard to is only accepted by fully_shard)"
             )
-        for state in self._states(recurse):
-            unit = state.unit
+        for unit in (u for state in self._states(recurse) for u in state.units):
             if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 unit.reshard()  # backward then gathers from the full shard group
             unit.reshard_after_forward = reshard_after_forward
@@ -204,7 +214,8 @@ class FSDPModule:
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the next all-gather wait for ``event`` (recorded after the optimizer step)."""
         # Stream.wait_event of every device handle also takes the device's own events.
-        self._unit_state().unit.wait_before_next_gather(cast(EventLike, event))
+        for unit in self._unit_state().units:
+            unit.wait_before_next_gather(cast(EventLike, event))
 
     # - communication controls; see [Note: Communication controls] in _unit.py
 
@@ -218,7 +229,7 @@ class FSDPModule:
         this unit (forward and backward, over the post-forward group too) and
         takes precedence over ``set_allocate_memory_from_process_group_for_comm``.
         """
-        self._unit_state().unit.custom_all_gather = comm
+        self._single_unit("set_custom_all_gather").custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: CustomReduceScatter) -> None:
         """Run this unit's gradient reduce-scatters through ``comm`` instead of shard's own.
@@ -229,7 +240,7 @@ class FSDPModule:
         divides around it (gloo has no pre-multiplied sum), so a comm that
         passes ``op`` on to ``torch.distributed`` averages correctly.
         """
-        self._unit_state().unit.custom_reduce_scatter = comm
+        self._single_unit("set_custom_reduce_scatter").custom_reduce_scatter = comm
 
     def set_all_reduce_hook(
         self,
@@ -250,7 +261,7 @@ class FSDPModule:
             ValueError: ``stream`` given for a unit on a 2-D mesh, whose hook
                 runs where shard's all-reduce runs.
         """
-        unit = self._unit_state().unit
+        unit = self._single_unit("set_all_reduce_hook")
         if stream is not None and unit.replicate_group is not None:
             raise ValueError(
                 f"set_all_reduce_hook({unit.comm_label}): stream cannot be set when using "
@@ -277,7 +288,8 @@ class FSDPModule:
         Raises:
             ValueError: ``factor`` is not a positive finite number.
         """
-        unit = self._unit_state().unit
+        state = self._unit_state()
+        unit = state.units[0]
         if isinstance(factor, bool) or not isinstance(factor, int | float):
             raise ValueError(
                 f"set_gradient_divide_factor({unit.comm_label}): factor must be a number, got "
@@ -288,7 +300,8 @@ class FSDPModule:
                 f"set_gradient_divide_factor({unit.comm_label}): factor must be a positive "
                 f"finite number, got {factor!r}; the world size averages"
             )
-        unit.gradient_divide_factor = float(factor)
+        for unit in state.units:
+            unit.gradient_divide_factor = float(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Make this unit's collectives pure sums; divide in separate steps after them.
@@ -299,7 +312,8 @@ class FSDPModule:
         dtypes partly before the sum. Backends copy without staging only for
         sums (NCCL's zero-copy collectives). This unit only.
         """
-        self._unit_state().unit.force_sum_reduction_for_comms = enable
+        for unit in self._unit_state().units:
+            unit.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -314,7 +328,8 @@ class FSDPModule:
         disagree on a reduce-scatter's size.
         """
         for state in self._states(recurse):
-            state.unit.reduce_scatter_unused_params = reduce_scatter_unused_params
+            for unit in state.units:
+                unit.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -333,17 +348,18 @@ class FSDPModule:
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
             raise TypeError(
-                f"set_reduce_scatter_max_input_buffers({self._unit_state().unit.comm_label}): "
+                f"set_reduce_scatter_max_input_buffers({self._unit_state().label or 'root'}): "
                 f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
             )
         if max_input_buffers < 1:
             raise ValueError(
-                f"set_reduce_scatter_max_input_buffers({self._unit_state().unit.comm_label}): "
+                f"set_reduce_scatter_max_input_buffers({self._unit_state().label or 'root'}): "
                 f"max_input_buffers must be a positive int, got {max_input_buffers}; 1 keeps "
                 "one reduction in flight"
             )
         for state in self._states(recurse):
-            state.unit.reduce_scatter_max_input_buffers = max_input_buffers
+            for unit in state.units:
+                unit.reduce_scatter_max_input_buffers = max_input_buffers
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -356,8 +372,7 @@ class FSDPModule:
         set of ranks, by those ranks only: call this on every rank of the mesh.
         ``False`` goes back to the shard group.
         """
-        for state in self._states(recurse):
-            unit = state.unit
+        for unit in (u for state in self._states(recurse) for u in state.units):
             unit.reduce_scatter_group = (
                 separate_reduce_scatter_group(unit.shard_group) if enable else None
             )
@@ -371,7 +386,8 @@ class FSDPModule:
         A unit whose backward does read its parameters then fails in backward.
         This unit only.
         """
-        self._unit_state().unit.unshard_in_backward = unshard_in_backward
+        for unit in self._unit_state().units:
+            unit.unshard_in_backward = unshard_in_backward
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Take this unit's collective buffers from the process group's own allocator.
@@ -386,9 +402,11 @@ class FSDPModule:
             AssertionError: a custom all-gather or reduce-scatter is set on this
                 unit; those decide their own buffers (as in PyTorch).
         """
-        unit = self._unit_state().unit
-        _check_no_custom_comm(unit, "set_allocate_memory_from_process_group_for_comm")
-        unit.comm_allocator = "process_group" if enable else "default"
+        units = self._unit_state().units
+        for unit in units:
+            _check_no_custom_comm(unit, "set_allocate_memory_from_process_group_for_comm")
+        for unit in units:
+            unit.comm_allocator = "process_group" if enable else "default"
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Ask for symmetric-memory buffers for this unit's collectives (NCCL only).
@@ -404,14 +422,50 @@ class FSDPModule:
             AssertionError: a custom all-gather or reduce-scatter is set on this
                 unit (as in PyTorch).
         """
-        unit = self._unit_state().unit
+        units = self._unit_state().units
         if backend != "NCCL":
             raise ValueError(
-                f"set_symm_mem_for_comm({unit.comm_label}): backend must be 'NCCL', the only "
-                f"symmetric-memory backend, got {backend!r}"
+                f"set_symm_mem_for_comm({units[0].comm_label}): backend must be 'NCCL', the "
+                f"only symmetric-memory backend, got {backend!r}"
             )
-        _check_no_custom_comm(unit, "set_symm_mem_for_comm")
-        unit.comm_allocator = "symm_mem"
+        for unit in units:
+            _check_no_custom_comm(unit, "set_symm_mem_for_comm")
+        for unit in units:
+            unit.comm_allocator = "symm_mem"
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Gather on the compute stream (``True``) in pre-forward, pre-backward and prefetch.
+
+        PyTorch's private switch, with its meaning: the units of this module
+        and of every sharded module below it issue their all-gathers as an
+        ``unshard(async_op=True)`` does, on the current (compute) stream, so
+        the gathered buffers are allocated there (no fragmentation between
+        streams); the copy-in and the gather then no longer overlap compute,
+        so prefetch explicitly (``unshard(async_op=True)``,
+        ``set_modules_to_forward_prefetch``) to keep the overlap. Values and
+        collectives do not change. See [Note: Communication controls] in
+        ``_unit.py``.
+        """
+        for state in self._states(recurse=True):
+            for unit in state.units:
+                unit.unshard_async_op = async_op
+
+    def _single_unit(self, method: str) -> Unit:
+        """The module's unit, for settings that name one communication group.
+
+        Raises:
+            ValueError: the module's parameters are on several meshes (as PyTorch).
+        """
+        state = self._unit_state()
+        if len(state.units) > 1:
+            raise ValueError(
+                f"{method}({state.label or 'root'}): the module's parameters are on "
+                f"{len(state.units)} meshes (ShardPlacementResult in shard_placement_fn), one "
+                "unit each; one custom collective or hook cannot serve them all (they "
+                "communicate over different process groups): set it on a module whose "
+                "parameters share one mesh"
+            )
+        return state.units[0]
 
     def _states(self, recurse: bool) -> list[UnitState]:
         if not recurse:
@@ -462,7 +516,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = ...,
+    shard_placement_fn: PlacementFn | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -476,7 +530,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = ...,
     reshard_after_forward: bool | int | None = ...,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = ...,
+    shard_placement_fn: PlacementFn | None = ...,
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
@@ -489,7 +543,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None = None,
+    shard_placement_fn: PlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen
     ignored_params: set[nn.Parameter] | None = None,
@@ -523,6 +577,11 @@ def fully_shard(
             unless it is 0), ``None`` on dim 0. :func:`flat_shard_placement`
             (it returns ``FlatShard()``) shards on the flattened storage, 1/N
             at any world size; see ``_flat_placement.py``.
+            ``ShardPlacementResult(placement, mesh_info)`` (shard's or
+            PyTorch's) shards it over a data-parallel mesh of its own (expert
+            weights over the expert-data-parallel mesh): the call's parameters
+            are grouped by process group, one unit each; see [Note: one unit
+            per process group] in ``_mesh_groups.py``.
         dp_mesh_dims: names the data-parallel axes of ``mesh``, which is then
             the whole mesh: every parameter must be a DTensor on it, replicated
             on those axes, and is sharded over ``shard`` (replicated over
@@ -539,30 +598,43 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     _check_mesh(mesh, dp_mesh_dims)
     mesh, dp_axes = _data_parallel_mesh(mesh, dp_mesh_dims, reshard_after_forward)
-    after_forward = _resolve_reshard_after_forward(reshard_after_forward, mesh)
+    _resolve_reshard_after_forward(reshard_after_forward, mesh)  # checked before any work
     label = _label(modules)
-    managed = {id(p) for s in states_in(modules) for p in s.unit.layout.registered_params()}
+    managed = {
+        id(p) for s in states_in(modules) for u in s.units for p in u.layout.registered_params()
+    }
     params = _collect_params(modules, managed, ignored_params or set(), label)
     compute_device = _compute_device(mesh)
-    sharded = _shard_params(
-        params, mesh, dp_axes, shard_placement_fn, offload_policy, compute_device
-    )
-    unit = Unit(
-        label=label,
-        layout=PerParamLayout(sharded, label, mp_policy=mp_policy),
-        mesh=mesh,
-        mp_policy=mp_policy,
-        compute_device=compute_device,
-        api=FULLY_SHARD_RULES.api,
-        reshard_after_forward=after_forward,
-    )
-    for (_, param, _), sp in zip(params, sharded, strict=True):
-        if sp.flat:
-            register_flat_state_dict_hooks(sp)
-        setattr(param, _SHARDED_BY_ATTR, unit)
-        setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
-    UnitState(modules, unit, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
-    unit.reshard()
+    # See [Note: one unit per process group] in _mesh_groups.py.
+    units = []
+    for group in group_by_mesh(params, mesh, shard_placement_fn, label):
+        if not group.is_call_mesh and dp_axes is not None:
+            raise NotImplementedError(
+                f"fully_shard({label}): parameter {group.params[0].fqn!r} has a mesh of its own "
+                "(ShardPlacementResult) in a call with dp_mesh_dims; shard it in a call "
+                "without dp_mesh_dims"
+            )
+        sharded = _shard_params(
+            group, dp_axes if group.is_call_mesh else None, offload_policy, compute_device
+        )
+        unit = Unit(
+            label=label,
+            layout=PerParamLayout(sharded, label, mp_policy=mp_policy),
+            mesh=group.mesh,
+            mp_policy=mp_policy,
+            compute_device=compute_device,
+            api=FULLY_SHARD_RULES.api,
+            reshard_after_forward=_resolve_reshard_after_forward(reshard_after_forward, group.mesh),
+        )
+        for (_, param, _), sp in zip(group.params, sharded, strict=True):
+            if sp.flat:
+                register_flat_state_dict_hooks(sp)
+            setattr(param, _SHARDED_BY_ATTR, unit)
+            setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
+        units.append(unit)
+    UnitState(modules, units, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
+    for unit in units:
+        unit.reshard()
     mark_managed_modules(modules)  # See [Note: torch.compile] in _compile.py.
     for m in modules:
         if not isinstance(m, FSDPModule):
@@ -740,14 +812,12 @@ def _resolve_reshard_after_forward(
 
 
 def _shard_params(
-    params: list[OwnedParam],
-    mesh: DeviceMesh,
+    group: MeshGroup,
     dp_axes: DataParallelAxes | None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | FlatShard | None] | None,
     offload_policy: OffloadPolicy,
     compute_device: torch.device,
 ) -> list[ShardedParam]:
-    """Shard each parameter where its placement (``shard_placement_fn``) and the offload say."""
+    """Shard each parameter of ``group`` where its placement and the offload say."""
     offload = type(offload_policy) is not OffloadPolicy
     shard_device = torch.device("cpu") if offload else compute_device
     pin = (
@@ -756,15 +826,14 @@ def _shard_params(
         and compute_device.type != "cpu"
     )
     sharded = []
-    for fqn, param, owners in params:
-        placement = None if shard_placement_fn is None else shard_placement_fn(param)
+    for (fqn, param, owners), placement in zip(group.params, group.placements, strict=True):
         flat = isinstance(placement, FlatShard)
         sharded.append(
             ShardedParam.create(
                 fqn,
                 param,
                 owners,
-                mesh=mesh,
+                mesh=group.mesh,
                 shard_device=shard_device,
                 pin_memory=pin,
                 shard_dim=resolve_shard_dim(fqn, param, None if flat else placement),
@@ -808,7 +877,7 @@ def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Mod
                 f"{s.class_name} ({name!r})"
                 for top in modules
                 for name, m in top.named_modules()
-                if (s := get_state(m)) is not None and s.unit is other
+                if (s := get_state(m)) is not None and other in s.units
             ),
             other.label,
         )

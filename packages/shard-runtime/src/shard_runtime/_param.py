@@ -587,7 +587,8 @@ def resolve_shard_dim(fqn: str, param: nn.Parameter, placement: object) -> int:
     if type(placement) is not Shard:
         raise ValueError(
             f"fully_shard: shard_placement_fn returned {placement!r} for parameter {fqn!r}; "
-            "return Shard(dim) to shard it on dim, or None for the default Shard(0)"
+            "return Shard(dim) to shard it on dim, None for the default Shard(0), or "
+            "ShardPlacementResult(placement, mesh_info) to shard it over a mesh of its own"
         )
     ndim = param.dim()
     dim = placement.dim + ndim if placement.dim < 0 else placement.dim

@@ -34,9 +34,9 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
         states.append(state)
     if not states:
         return
-    shared = states[0].unit.comm_ctx
+    shared = states[0].comm_ctx
     for state in states_in([module for root in states for module in root.modules]):
-        pending = state.unit.comm_ctx
-        if pending is not shared:
-            pending.land()
-            state.unit.comm_ctx = shared
+        for unit in state.units:
+            if unit.comm_ctx is not shared:
+                unit.comm_ctx.land()
+                unit.comm_ctx = shared

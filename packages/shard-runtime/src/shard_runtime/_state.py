@@ -3,8 +3,10 @@
 One :class:`UnitState` per ``fully_shard`` call (shared by every module of a
 grouped call) or wrapper; it holds no front-end branch: what differs between
 the two comes in as :class:`~shard_runtime._front_end.FrontEndRules`. It
-owns the unit and decides, from module hooks and autograd hooks, when the
-unit gathers, frees and reduces:
+owns the unit (one per mesh when ``shard_placement_fn`` puts the call's
+parameters on several: see [Note: one unit per process group] in
+``_mesh_groups.py``; they always move together) and decides, from module
+hooks and autograd hooks, when the unit gathers, frees and reduces:
 
 - pre-forward: gather (or finish a prefetched gather), cast inputs;
 - post-forward: free (unless kept), remember the order, hook the outputs;
@@ -124,11 +126,13 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
 from shard_comms.plumbing import set_flight_step
+from shard_runtime._comm import CommContext
 from shard_runtime._compile import eager_hook
 from shard_runtime._fingerprint import check_same_model
 from shard_runtime._front_end import FrontEndRules
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
+from shard_runtime._reduction import IssuedReduction
 from shard_runtime._step_guard import watch_root
 from shard_runtime._tree import iter_tensors, map_tensors
 from shard_runtime._unit import ShardedState, TrainingState, Unit, raise_on_meta
@@ -161,20 +165,25 @@ def states_in(modules: Iterable[nn.Module]) -> list[UnitState]:
 
 
 class UnitState:
-    """Hooks and step logic of one unit (a ``fully_shard`` call or a wrapper); see the module
-    docstring."""
+    """Hooks and step logic of one ``fully_shard`` call or wrapper; see the module docstring.
+
+    It drives one unit, or several when the call's parameters are on several
+    meshes (see [Note: one unit per process group] in ``_mesh_groups.py``):
+    they gather, free and reduce together, and share one training state.
+    """
 
     def __init__(
         self,
         modules: list[nn.Module],
-        unit: Unit,
+        units: list[Unit],
         *,
         rules: FrontEndRules,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
+        assert units, "a state drives at least one unit"
         self.modules = modules
         self.class_name = ",".join(type(m).__name__ for m in modules)
-        self.unit = unit
+        self.units = units
         self.mp_policy = mp_policy
         self.rules = rules  # See [Note: the root].
         # - tree: the parent is set when the enclosing state is built, the root at lazy init
@@ -206,7 +215,9 @@ class UnitState:
         # unit have a backward to gather for (a frozen unit before every trainable one has none).
         self.runs_backward = False
         # See [Note: torch.compile] in _compile.py.
-        unit.hook_gradients(eager_hook(_weak_grad_hook(self), "post-accumulate-grad hook"))
+        on_grad_ready = eager_hook(_weak_grad_hook(self), "post-accumulate-grad hook")
+        for unit in units:
+            unit.hook_gradients(on_grad_ready)
         # - entry points PyTorch calls, kept out of torch.compile; see [Note: torch.compile]
         #   in _compile.py
         self._pre_backward_entry = eager_hook(self._pre_backward_hook, "pre-backward hook")
@@ -230,9 +241,43 @@ class UnitState:
         return self.root is self
 
     @property
+    def unit(self) -> Unit:
+        """The state's one unit (every wrapper; a ``fully_shard`` call on one mesh).
+
+        Raises:
+            AssertionError: the call's parameters are on several meshes; use ``units``.
+        """
+        if len(self.units) != 1:
+            raise AssertionError(
+                f"{self.rules.api}({self.label or 'root'}) has {len(self.units)} units (its "
+                "parameters are on several meshes); code that may meet such a state reads "
+                "UnitState.units"
+            )
+        return self.units[0]
+
+    @property
     def label(self) -> str:
         """The module's qualified name in the root's model, for errors and profiles."""
-        return self.unit.label
+        return self.units[0].label
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the state's units are in the step (they move together)."""
+        return self.units[0].training_state
+
+    def _enter(self, training_state: TrainingState) -> None:
+        for unit in self.units:
+            unit.training_state = training_state
+
+    @property
+    def comm_ctx(self) -> CommContext:
+        """The reductions in flight this state bounds where it is the root (see ``_comm.py``)."""
+        return self.units[0].comm_ctx
+
+    @property
+    def num_trainable(self) -> int:
+        """Trainable parameters over every unit: the gradient-ready signals a backward sends."""
+        return sum(unit.layout.num_trainable for unit in self.units)
 
     # ------------------------------------------------------------------ lazy init
 
@@ -254,12 +299,13 @@ class UnitState:
         self.name_inner_units()
         self._check_materialized(states)
         # See [Note: model fingerprints] in _fingerprint.py: before any collective of the model.
-        check_same_model([s.unit for s in states], api=self.rules.api)
+        check_same_model([u for s in states for u in s.units], api=self.rules.api)
         for state in states:
             state.root = self
-            if state.unit.reshard_after_forward is None:
-                # See [Note: the root]: backward needs the root's parameters at once.
-                state.unit.reshard_after_forward = state is not self
+            for unit in state.units:
+                if unit.reshard_after_forward is None:
+                    # See [Note: the root]: backward needs the root's parameters at once.
+                    unit.reshard_after_forward = state is not self
         watch_root(self)  # See [Note: optimizer step guard] in _step_guard.py.
         if order_check_enabled() and self.on_forward_gather is None:
             checker = ForwardOrderChecker(None)
@@ -295,7 +341,7 @@ class UnitState:
             for index, (name, _) in enumerate(top.named_parameters(remove_duplicate=False))
         }
         on_meta = sorted(
-            (fqn for s in states for fqn in s.unit.layout.meta_fqns()),
+            (fqn for s in states for u in s.units for fqn in u.layout.meta_fqns()),
             key=lambda fqn: model_order.get(fqn, len(model_order)),
         )
         if on_meta:
@@ -309,7 +355,8 @@ class UnitState:
                 state = get_state(module)
                 if state is None or state is self or module is not state.modules[0]:
                     continue
-                state.unit.set_label(self.rules.clean_name(f"{top_prefix}{name}"))
+                for unit in state.units:
+                    unit.set_label(self.rules.clean_name(f"{top_prefix}{name}"))
 
     # ------------------------------------------------------------------ forward
 
@@ -321,8 +368,8 @@ class UnitState:
     def pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Gather the unit, start explicit prefetches, cast inputs."""
-        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+        """Gather the units, start explicit prefetches, cast inputs."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
             # Recomputed inside its own backward; see [Note: post-backward when the unit's
             # backward is done].
             return self._cast_inputs(args, kwargs)
@@ -330,16 +377,17 @@ class UnitState:
             self._lazy_init()
         root = self.root
         assert root is not None
-        if self is root and self.unit.training_state is TrainingState.IDLE:
+        if self is root and self.training_state is TrainingState.IDLE:
             if root.post_forward_order:
                 root.last_forward_order = list(root.post_forward_order)
             root.post_forward_order.clear()
             set_flight_step(root.step)
-        self.unit.training_state = TrainingState.FORWARD
+        self._enter(TrainingState.FORWARD)
         if root.on_forward_gather is not None:
-            root.on_forward_gather(self.unit.comm_label)
-        self.unit.sync_requires_grad()  # See [Note: requires_grad is read at every forward].
-        self.unit.unshard()
+            root.on_forward_gather(self.units[0].comm_label)
+        for unit in self.units:
+            unit.sync_requires_grad()  # See [Note: requires_grad is read at every forward].
+            unit.unshard()
         for target in self._forward_prefetch_targets():
             self._prefetch(target)
         if torch.is_grad_enabled():
@@ -385,9 +433,9 @@ class UnitState:
     def _backward_done(self) -> bool:
         """Whether the unit's backward is over; see [Note: post-backward when the unit's
         backward is done]."""
-        if self.inputs_pending or self.grads_ready < self.unit.layout.num_trainable:
+        if self.inputs_pending or self.grads_ready < self.num_trainable:
             return False
-        return self.inputs_watched or self.unit.layout.signals_every_param
+        return self.inputs_watched or all(u.layout.signals_every_param for u in self.units)
 
     def _post_forward_hook(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -395,8 +443,8 @@ class UnitState:
         return self.post_forward(module, output)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
-        """Free the unit unless kept, record the order, hook the outputs for backward."""
-        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+        """Free the units unless kept, record the order, hook the outputs for backward."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
             # Recomputed inside its own backward; see [Note: post-backward when the unit's
             # backward is done].
             return self._cast_output(output)
@@ -406,11 +454,12 @@ class UnitState:
         self._forwards_done.add(id(module))
         if len(self._forwards_done) >= len(self.modules):
             self._forwards_done.clear()
-            if self._reshards_after_forward(grad_enabled):
-                if grad_enabled:
-                    self.unit.reshard_post_forward()
-                else:
-                    self.unit.reshard()
+            for unit in self.units:
+                if self._reshards_after_forward(unit, grad_enabled):
+                    if grad_enabled:
+                        unit.reshard_post_forward()
+                    else:
+                        unit.reshard()
         if self not in root.post_forward_order:
             root.post_forward_order.append(self)
         if grad_enabled:
@@ -418,7 +467,7 @@ class UnitState:
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_entry)  # type: ignore[no-untyped-call]
                     self.runs_backward = True
-        self.unit.training_state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE)
         return self._cast_output(output)
 
     def _cast_output(self, output: Any) -> Any:
@@ -427,8 +476,8 @@ class UnitState:
             output = map_tensors(lambda t: _cast_floating(t, dtype), output)
         return output
 
-    def _reshards_after_forward(self, grad_enabled: bool) -> bool:
-        if self.unit.reshard_after_forward is False:
+    def _reshards_after_forward(self, unit: Unit, grad_enabled: bool) -> bool:
+        if unit.reshard_after_forward is False:
             return False
         # See [Note: the root]: under the wrapper's rules the root keeps its parameters for
         # backward, not for eval.
@@ -441,15 +490,16 @@ class UnitState:
 
         See [Note: parameters replaced before the first forward].
         """
-        if self.unit.sharded_state is not ShardedState.SHARDED:
-            return
-        if self.unit.layout.adopt_replaced_params(self._check_replacement):
-            self.unit.reset_after_apply()
+        for unit in self.units:
+            if unit.sharded_state is not ShardedState.SHARDED:
+                continue
+            if unit.layout.adopt_replaced_params(self._check_replacement):
+                unit.reset_after_apply()
 
     def _check_replacement(self, fqn: str, new: object, old: nn.Parameter) -> None:
         """Raise unless ``new`` can stand in for the sharded parameter ``old``."""
         where = (
-            f"{self.rules.api}({self.unit.comm_label}): parameter {fqn!r} was replaced after "
+            f"{self.rules.api}({self.units[0].comm_label}): parameter {fqn!r} was replaced after "
             f"{self.rules.api}"
         )
         assert isinstance(old, DTensor)
@@ -488,9 +538,11 @@ class UnitState:
         unit is sharded while it runs, and adopts the new tensors afterwards.
         """
         self.land_reductions()
-        self.unit.reshard()
+        for unit in self.units:
+            unit.reshard()
         result = apply()
-        self.unit.reset_after_apply()
+        for unit in self.units:
+            unit.reset_after_apply()
         return result
 
     # ------------------------------------------------------------------ recovery
@@ -505,10 +557,10 @@ class UnitState:
             )
         self.land_reductions()  # reductions issued land, as in PyTorch
         for state in self.all_states or states_in(self.modules):
-            unit = state.unit
-            unit.reshard()  # waits for a gather in flight
-            unit.layout.drop_unsharded_grads()
-            unit.reductions.abandon()  # a deferred replica partial
+            for unit in state.units:
+                unit.reshard()  # waits for a gather in flight
+                unit.layout.drop_unsharded_grads()
+                unit.reductions.abandon()  # a deferred replica partial
             state._forwards_done.clear()
             state._reset_backward()
         self.post_forward_order.clear()
@@ -522,33 +574,41 @@ class UnitState:
         self.pre_backward()
 
     def pre_backward(self) -> None:
-        """Gather the unit for its backward and prefetch the next one."""
+        """Gather the units for their backward and prefetch the next state's."""
         root = self.root
         assert root is not None
         if not root._final_callback_queued:
             root._final_callback_queued = True
             Variable._execution_engine.queue_callback(root._end_of_backward_entry)
-        if self.unit.training_state is TrainingState.PRE_BACKWARD:
+        if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        self.unit.training_state = TrainingState.PRE_BACKWARD
-        self.unit.unshard()
+        self._enter(TrainingState.PRE_BACKWARD)
+        for unit in self.units:
+            unit.unshard()
         if self.backward_prefetch is not None or self.rules.backward_prefetch == "pre":
             for target in self._backward_prefetch_targets():
-                if target.unit.unshard_in_backward and target.runs_backward:
-                    self._prefetch(target)
+                if target.runs_backward:
+                    self._prefetch(target, backward=True)
 
-    def _prefetch(self, target: UnitState) -> None:
-        """Start ``target``'s all-gather unless it is gathered or too many are in flight."""
-        if target.unit.sharded_state is ShardedState.UNSHARDED:
-            return
+    def _prefetch(self, target: UnitState, *, backward: bool = False) -> None:
+        """Start ``target``'s all-gathers unless gathered or too many are in flight.
+
+        In backward, units that do not gather for their backward
+        (``unshard_in_backward=False``) are left alone.
+        """
         root = self.root
         assert root is not None
-        if root.rules.limit_all_gathers:
-            # At most two units' all-gathers in flight bounds the memory they hold.
-            in_flight = sum(1 for s in root.all_states if s.unit.gather_in_flight)
-            if in_flight >= 2:
-                return
-        target.unit.unshard(async_op=True)
+        for unit in target.units:
+            if unit.sharded_state is ShardedState.UNSHARDED:
+                continue
+            if backward and not unit.unshard_in_backward:
+                continue
+            if root.rules.limit_all_gathers:
+                # At most two units' all-gathers in flight bounds the memory they hold.
+                in_flight = sum(1 for s in root.all_states for u in s.units if u.gather_in_flight)
+                if in_flight >= 2:
+                    return
+            unit.unshard(async_op=True)
 
     def _forward_prefetch_targets(self) -> list[UnitState]:
         if self.forward_prefetch is not None:
@@ -582,37 +642,45 @@ class UnitState:
         Step 1 of [Note: the path of one gradient] in ``_reduction.py``.
         """
         self.grads_ready += 1
-        if self.grads_ready == self.unit.layout.num_trainable and self._backward_done():
+        if self.grads_ready == self.num_trainable and self._backward_done():
             self.post_backward()
 
     def post_backward(self) -> None:
-        """The unit's backward is over: reduce (or keep) its gradients, free its parameters.
+        """The backward is over: reduce (or keep) the units' gradients, free their parameters.
 
         Step 2 of [Note: the path of one gradient] in ``_reduction.py``. Once per
-        backward: a unit that already reduced does nothing, so a driver that runs
+        backward: a state that already reduced does nothing, so a driver that runs
         backward itself (``torch.distributed.pipelining``, ``_torch_state_view.py``)
         may call it after its last micro-batch.
         """
-        unit = self.unit
-        if unit.training_state is TrainingState.POST_BACKWARD:
+        if self.training_state is TrainingState.POST_BACKWARD:
             return
         root = self.root
         assert root is not None
         if self.backward_prefetch is None and self.rules.backward_prefetch == "post":
             for target in self._backward_prefetch_targets():
-                if target.unit.unshard_in_backward and target.runs_backward:
-                    self._prefetch(target)
-        if unit.requires_gradient_sync:
-            # A unit without gradients issues nothing and leaves the others in flight. At
-            # most ``reduce_scatter_max_input_buffers`` reductions in flight bounds the memory
-            # their buffers hold; see [Note: Sharing the communication context].
-            for issued in unit.reduce_grads():
-                root.unit.comm_ctx.queue(issued, unit.reduce_scatter_max_input_buffers)
-        else:
-            unit.layout.keep_grads(unit.mp_policy.reduce_dtype)
-        if unit.reshard_after_backward:
-            unit.reshard()
-        unit.training_state = TrainingState.POST_BACKWARD
+                if target.runs_backward:
+                    self._prefetch(target, backward=True)
+        issued: list[IssuedReduction] = []
+        limit = 1
+        # The last unit first, as autograd reaches them in PyTorch (the order of the units'
+        # own reductions is free: each has its own process group).
+        for unit in reversed(self.units):
+            if unit.requires_gradient_sync:
+                # A unit without gradients issues nothing and leaves the others in flight.
+                reductions = unit.reduce_grads()
+                if reductions:
+                    issued.extend(reductions)
+                    limit = max(limit, unit.reduce_scatter_max_input_buffers)
+            else:
+                unit.layout.keep_grads(unit.mp_policy.reduce_dtype)
+            if unit.reshard_after_backward:
+                unit.reshard()
+            unit.training_state = TrainingState.POST_BACKWARD
+        if issued:
+            # At most ``reduce_scatter_max_input_buffers`` states' reductions in flight bounds
+            # the memory their buffers hold; see [Note: Sharing the communication context].
+            root.comm_ctx.queue(issued, limit)
 
     def land_reductions(self) -> None:
         """Land every reduction this tree has in flight.
@@ -620,24 +688,28 @@ class UnitState:
         See [Note: a backward that is not the last].
         """
         root = self.root if self.root is not None else self
-        root.unit.comm_ctx.land()
+        root.comm_ctx.land()
 
     def end_of_backward(self) -> None:
         for state in self.all_states:
-            unit = state.unit
-            if unit.gather_in_flight:
-                # A prefetch nobody consumed: its data would be stale after the optimizer step.
-                unit.reshard()
-            if unit.training_state is not TrainingState.POST_BACKWARD and (
+            for unit in state.units:
+                if unit.gather_in_flight:
+                    # A prefetch nobody consumed: its data would be stale after the optimizer
+                    # step.
+                    unit.reshard()
+            if state.training_state is not TrainingState.POST_BACKWARD and any(
                 unit.sharded_state is ShardedState.UNSHARDED
                 or unit.has_unsharded_grads()
                 or unit.reduce_scatter_unused_params
+                for unit in state.units
             ):
                 state.post_backward()
-            elif unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (
-                unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
-            ):
-                unit.reshard()
+                continue
+            for unit in state.units:
+                if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (
+                    unit.sharded_state is ShardedState.UNSHARDED and unit.reshard_after_backward
+                ):
+                    unit.reshard()
         if self.is_last_backward:  # See [Note: a backward that is not the last].
             self.land_reductions()
         for state in self.all_states:
@@ -651,7 +723,7 @@ class UnitState:
 
     def _reset_backward(self) -> None:
         """Forget this backward's bookkeeping (at its end, or when a step is abandoned)."""
-        self.unit.training_state = TrainingState.IDLE
+        self._enter(TrainingState.IDLE)
         self.grads_ready = 0
         self.inputs_pending = 0
         self.inputs_watched = False
@@ -661,8 +733,9 @@ class UnitState:
 
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.land_reductions()  # See [Note: a backward that is not the last].
-        if self.unit.sharded_state is ShardedState.UNSHARDED:
-            self.unit.reshard()
+        for unit in self.units:
+            if unit.sharded_state is ShardedState.UNSHARDED:
+                unit.reshard()
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

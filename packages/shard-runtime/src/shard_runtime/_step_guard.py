@@ -72,18 +72,19 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 def _check(optimizer: torch.optim.Optimizer, root: UnitState) -> None:
     owners = {
-        id(param): state
+        id(param): (state, unit)
         for state in root.all_states
-        for param in state.unit.layout.registered_params()
+        for unit in state.units
+        for param in unit.layout.registered_params()
     }
     held = False
     for group in optimizer.param_groups:
         for param in group["params"]:
-            state = owners.get(id(param))
-            if state is None:
+            owner = owners.get(id(param))
+            if owner is None:
                 continue
             held = True
-            unit = state.unit
+            state, unit = owner
             if unit.layout.num_trainable and unit.training_state is not TrainingState.POST_BACKWARD:
                 name = unit.label or f"the root {state.class_name}"
                 where = (

@@ -23,15 +23,24 @@ from __future__ import annotations
 from torch import nn
 
 from shard_runtime._state import UnitState, get_state, states_in
+from shard_runtime._unit import Unit
 
 __all__ = ["FSDPStateView", "state_view"]
 
 
 class _ParamGroupView:
-    """One unit, as ``FSDPParamGroup`` is seen by pipelining."""
+    """One unit, as ``FSDPParamGroup`` is seen by pipelining.
 
-    def __init__(self, state: UnitState) -> None:
+    A state whose parameters are on several meshes has one unit per mesh
+    (see [Note: one unit per process group] in ``_mesh_groups.py``), and one
+    view each, as PyTorch has one parameter group each. The state reduces
+    all of its units at once, so the first view's call reduces them all and
+    the others' find the state reduced: still once per unit per step.
+    """
+
+    def __init__(self, state: UnitState, unit: Unit) -> None:
         self._unit_state = state
+        self._unit = unit
 
     def post_backward(self) -> None:
         """Reduce the unit's kept gradients now (once) and free its full parameters.
@@ -66,7 +75,7 @@ class FSDPStateView:
 
     @property
     def _fsdp_param_groups(self) -> list[_ParamGroupView]:
-        return [_ParamGroupView(self._unit_state)]
+        return [_ParamGroupView(self._unit_state, unit) for unit in self._unit_state.units]
 
     def _root_post_backward_final_callback(self) -> None:
         """End the backward now: land every reduction, reset every unit for the next step."""

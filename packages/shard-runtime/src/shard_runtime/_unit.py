@@ -24,6 +24,14 @@ decides *where* the bytes live (per-parameter or flat layout).
   ``force_sum_reduction_for_comms`` moved after them, so it sees sums then
   (with an fp16-like reduce dtype it sees the sum divided by the part taken
   before it, as in PyTorch);
+- ``unshard_async_op`` (``FSDPModule._set_unshard_async_op``) issues the
+  unit's all-gathers (and their copy-in) on the compute stream instead of the
+  all-gather stream, as PyTorch does for an ``async_op`` unshard: the
+  buffers are then allocated on the compute stream, which avoids memory
+  fragmentation between streams; overlap then needs explicit prefetching
+  (``unshard(async_op=True)``, ``set_modules_to_forward_prefetch``), since
+  the gather no longer runs beside the compute. Values and collectives are
+  the same;
 - ``unshard_in_backward=False`` skips the all-gather before the unit's
   backward (and backward prefetches of it), for units whose backward needs no
   parameter values (an embedding's gradient needs only the indices);
@@ -211,6 +219,7 @@ class Unit:
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     all_reduce_hook_stream: StreamLike | None = None
     unshard_in_backward: bool = True
+    unshard_async_op: bool = False
     reduce_scatter_unused_params: bool = False
     reduce_scatter_max_input_buffers: int = 1
     reduce_scatter_group: dist.ProcessGroup | None = None  # None: the shard group
@@ -278,13 +287,14 @@ class Unit:
         if not self.unshard_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
             return  # See [Note: Communication controls].
         self._check_materialized()
-        # See [Note: Stream ordering] in _comm.py.
+        # See [Note: Stream ordering] in _comm.py, and [Note: Communication controls] for
+        # ``unshard_async_op``.
         streams = self.streams
-        stream = streams.all_gather
+        stream = streams.current() if self.unshard_async_op else streams.all_gather
         if self._post_optim_event is not None:
             stream.wait_event(self._post_optim_event)
             self._post_optim_event = None
-        else:
+        elif not self.unshard_async_op:
             stream.wait_stream(streams.current())
         with streams.handle.stream(stream):
             if self._post_forward_shard is not None:

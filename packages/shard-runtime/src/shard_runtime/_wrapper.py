@@ -275,7 +275,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             api=rules.api,
             reshard_after_forward=self.sharding_strategy in RESHARD_AFTER_FORWARD,
         )
-        state = UnitState([self], unit, rules=rules, mp_policy=policy)
+        state = UnitState([self], [unit], rules=rules, mp_policy=policy)
         set_flat_layout(state, layout)
         unit.reshard()
         self.register_state_dict_post_hook(_strip_prefixes)  # type: ignore[no-untyped-call]

@@ -16,8 +16,9 @@ shard-testing keeps depending on shard-core only.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ __all__ = [
     "error",
     "error_type",
     "fsdp_namespace",
+    "torch_fsdp_collectives",
 ]
 
 Impl = Literal["torch", "shard"]
@@ -192,3 +194,34 @@ class CountingReduceScatter(CountingAllGather):
             output_tensor, input_tensor, group=group, op=op, async_op=async_op
         )
         return work
+
+
+@contextlib.contextmanager
+def torch_fsdp_collectives() -> Iterator[dict[str, list[bool]]]:
+    """Record the all-gathers and reduce-scatters PyTorch's FSDP issues inside the block.
+
+    Yields ``{"all_gather": [...], "reduce_scatter": [...]}``, one ``async_op``
+    flag per call, in order. PyTorch's FSDP2 issues them through
+    ``torch.distributed.all_gather_single`` / ``reduce_scatter_single``, looked
+    up on the module at each call, which this patches for the block (shard's
+    own collectives are counted by ``shard_comms.count_collectives``).
+    Collectives the model makes itself through those two functions count too.
+    """
+    seen: dict[str, list[bool]] = {"all_gather": [], "reduce_scatter": []}
+    names = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    originals: dict[str, Callable[..., Any]] = {k: getattr(dist, n) for k, n in names.items()}
+
+    def recording(kind: str) -> Callable[..., Any]:
+        def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+            seen[kind].append(async_op)
+            return originals[kind](*args, async_op=async_op, **kwargs)
+
+        return call
+
+    for kind, name in names.items():
+        setattr(dist, name, recording(kind))
+    try:
+        yield seen
+    finally:
+        for kind, name in names.items():
+            setattr(dist, name, originals[kind])
