@@ -527,3 +527,31 @@ def test_dcp_round_trip_keeps_the_subclass_as_under_pytorch(
         local = "NF4Tensor" if kind == "nf4" else "WeightWithDynamicFloat8CastTensor"
         expected = {"changed_before_load": True, "equal_after_load": True, "local": local}
         assert result == {"torch": expected, "shard": expected}
+
+
+# - set_model_state_dict with a full state dict loads into subclass weights
+
+
+def _full_state_dict_load(kind: str) -> dict[str, Any]:
+    from shard_checkpoint import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    x = torch.randn(_BATCH, _QLORA_DIMS[0][0] if kind == "nf4" else _FLOAT8_DIM)
+    source = _dcp_model(kind, False, fully_shard)
+    target = _dcp_model(kind, True, fully_shard)
+    before = torch.equal(target(x), source(x))
+    set_model_state_dict(target, get_model_state_dict(source, options=full), options=full)
+    local = target[0].weight.to_local()
+    return {
+        "equal_before": before,
+        "equal_after": torch.equal(target(x), source(x)),
+        "local": type(local).__name__,
+    }
+
+
+@pytest.mark.parametrize("kind", ["nf4", "float8"])
+def test_full_state_dict_loads_into_subclass_weights(rank_pool: RankPool, kind: str) -> None:
+    """Beyond PyTorch for NF4 (its set_model_state_dict recurses without end on NF4 weights)."""
+    local = "NF4Tensor" if kind == "nf4" else "WeightWithDynamicFloat8CastTensor"
+    for result in rank_pool.run(_full_state_dict_load, _WORLD, kind):
+        assert result == {"equal_before": False, "equal_after": True, "local": local}

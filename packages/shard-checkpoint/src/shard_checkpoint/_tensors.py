@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, _Stride
 
 from shard_checkpoint._errors import StateDictError
 from shard_core import dim0_chunk_range
-from shard_runtime.plumbing import contiguous_dtensor
+from shard_runtime.plumbing import contiguous_dtensor, is_tensor_subclass
 
 __all__ = ["full_value", "local_chunk", "same_layout", "shard_like", "to_cpu"]
 
@@ -48,8 +48,13 @@ def local_chunk(full: torch.Tensor, like: DTensor, *, key: str) -> torch.Tensor:
     for axis, placement in enumerate(like.placements):
         if type(placement) is Shard:
             dim = placement.dim if placement.dim >= 0 else piece.dim() + placement.dim
-            rows = dim0_chunk_range(piece.shape[dim], coordinate[axis], like.device_mesh.size(axis))
-            piece = piece.narrow(dim, rows.start, len(rows))
+            size, index = like.device_mesh.size(axis), coordinate[axis]
+            rows = dim0_chunk_range(piece.shape[dim], index, size)
+            if is_tensor_subclass(piece) and len(rows) > 0:
+                # A subclass (torchao's NF4) cuts itself with chunk, not with any slice.
+                piece = torch.chunk(piece, size, dim=dim)[index]
+            else:
+                piece = piece.narrow(dim, rows.start, len(rows))
         elif not isinstance(placement, Replicate):
             raise StateDictError(
                 f"{key!r}: cannot cut a full tensor into a DTensor placed {like.placements}; "
@@ -96,7 +101,10 @@ def shard_like(full: torch.Tensor, like: DTensor, *, key: str, copy: bool = Fals
     """
     device = like.to_local().device
     piece = local_chunk(full, like, key=key)
-    piece = piece.to(device=device, copy=copy, memory_format=torch.contiguous_format)
+    if is_tensor_subclass(piece) and piece.device == device and not copy:
+        pass  # kept as it is: a subclass's ``to`` may convert (NF4's dequantizes)
+    else:
+        piece = piece.to(device=device, copy=copy, memory_format=torch.contiguous_format)
     return contiguous_dtensor(piece, like.device_mesh, like.placements, like.shape)
 
 

@@ -18,8 +18,10 @@ flattened view, ``(numel,)``, placed ``Shard(0)``. The optimizer works on it
 elementwise (AdamW, SGD: same update as on the full shape); the unsharded face
 the module computes with keeps the full shape, and gradients are flattened
 before the reduce-scatter. A parameter whose dim 0 divides evenly, a 1-D
-parameter (flat is dim 0 there) and a tensor-parallel DTensor keep
-``Shard(0)``: no waste, no new shape. The price: between steps
+parameter (flat is dim 0 there), a tensor-parallel DTensor and a tensor
+subclass (torchao's NF4 and float8 weights shard by their own ops, which
+split rows, and gather through their own hooks) keep ``Shard(0)``: no
+waste, no new shape. The price: between steps
 ``module.weight`` of a flat parameter is that 1-D DTensor, so code that reads
 its shape then (``nn.Linear.reset_parameters`` after meta-device init needs
 fan-in) must run before ``fully_shard``, or the values come in through a full

@@ -5,13 +5,14 @@ their tests: what state-dict and checkpoint code needs to know about the
 units of both front ends (the wrapper's flat units and their parameters'
 keys, ``fully_shard``'s flat-sharded parameters and their conversions, the
 buffers' original dtypes, clean parameter names, DTensors built from this
-rank's piece) and the wrap planning that
+rank's piece, which tensors are users' subclasses) and the wrap planning that
 ``shard plan`` repeats without a process group. These names may change with
 the packages that use them; a training script needs only what
 ``shard_runtime`` itself exports (as ``shard_comms.plumbing`` is to
 ``shard_comms``).
 """
 
+from shard_runtime._all_gather_extension import is_tensor_subclass
 from shard_runtime._dtensor import contiguous_dtensor
 from shard_runtime._flat_placement import (
     flat_sharded_params,
@@ -35,6 +36,7 @@ __all__ = [
     "ShardedParam",
     "clean_fqn",
     "contiguous_dtensor",
+    "is_tensor_subclass",
     "flat_sharded_params",
     "flat_to_rows",
     "flat_units",
