@@ -143,8 +143,9 @@ def _model() -> nn.Module:
     return nn.Sequential(_Linear(5, 8), nn.ReLU(), _Linear(3, 5))
 
 
-def _train(impl: str, meta_init: bool) -> dict[str, Any]:
+def _train(impl: str, meta_init: bool, flat: bool = False) -> dict[str, Any]:
     fsdp = fsdp_namespace(impl)  # type: ignore[arg-type]
+    placement = {"shard_placement_fn": fsdp.flat_shard_placement} if flat else {}
     _CALLS.clear()
     mesh = cpu_mesh()
     reference = _model()
@@ -154,8 +155,8 @@ def _train(impl: str, meta_init: bool) -> dict[str, Any]:
     else:
         model = _model()
     for layer in (model[0], model[2]):
-        fsdp.fully_shard(layer, mesh=mesh)
-    fsdp.fully_shard(model, mesh=mesh)
+        fsdp.fully_shard(layer, mesh=mesh, **placement)
+    fsdp.fully_shard(model, mesh=mesh, **placement)
     if meta_init:
         model.to_empty(device="cpu")
         with torch.no_grad():
@@ -195,6 +196,13 @@ def test_five_argument_hooks_match_pytorch(rank_pool: RankPool, meta_init: bool)
     assert pre[0] == ("pre", (5, 8), (8, 1), "FSDP_Linear", torch.Size((2, 8)))  # a short shard
     posts = [call for call in ours[0]["calls"] if call[0] == "post"]
     assert [out for _, out, _ in posts] == [False, False, True, True, True, True, True, True]
+
+
+def test_flat_placement_keeps_subclasses_on_rows(rank_pool: RankPool) -> None:
+    """flat_shard_placement leaves a subclass on Shard(0) rows: PyTorch's default results."""
+    theirs = rank_pool.run(_train, 2, "torch", False)
+    ours = rank_pool.run(_train, 2, "shard", False, True)
+    assert ours == theirs
 
 
 def _one_hook(impl: str) -> str:
