@@ -45,73 +45,77 @@ test covers the same input, that test's file:
     LayoutError [wrapper_mixed_dtypes]
 14. a tensor subclass parameter in one flat unit (FullyShardedDataParallel)
     TypeError [wrapper_subclass_param], also shard-runtime/tests/test_fully_shard_extensions.py
-15. integer parameters requiring grad (an integer param_dtype for trainable parameters)
+15. fully_shard before torch.distributed is initialized, without a mesh
+    RuntimeError [fully_shard_without_init]
+16. FullyShardedDataParallel before torch.distributed is initialized, without a mesh
+    RuntimeError [wrapper_without_init]
+17. integer parameters requiring grad (an integer param_dtype for trainable parameters)
     LayoutError [integer_param_dtype]
-16. optimizer.step() before backward finished (in a backward hook)
+18. optimizer.step() before backward finished (in a backward hook)
     OptimizerStepError [step_in_backward]
-17. parameters still on the meta device at the first forward
+19. parameters still on the meta device at the first forward
     RuntimeError [meta_at_forward], also shard-runtime/tests/test_fully_shard_api.py
-18. fully_shard on a container with no forward (ModuleList)
+20. fully_shard on a container with no forward (ModuleList)
     ValueError [container_without_forward], also shard-runtime/tests/test_fully_shard_api.py
-19. a 0-d (scalar) parameter
+21. a 0-d (scalar) parameter
     LayoutError [scalar_parameter], also shard-runtime/tests/test_fully_shard_api.py
-20. a non-contiguous parameter
+22. a non-contiguous parameter
     NotImplementedError [non_contiguous], also shard-runtime/tests/test_fully_shard_api.py
-21. a parameter shared by two units
+23. a parameter shared by two units
     ValueError [shared_across_units], also shard-runtime/tests/test_fully_shard_api.py
-22. reshard_after_forward as an int that does not divide the shard axis
+24. reshard_after_forward as an int that does not divide the shard axis
     ValueError [bad_reshard_size], also shard-runtime/tests/test_fully_shard_api.py
-23. a 2-D mesh without axis names
+25. a 2-D mesh without axis names
     AssertionError [unnamed_2d_mesh], also shard-runtime/tests/test_fully_shard_api.py
-24. copy.deepcopy of a sharded module
+26. copy.deepcopy of a sharded module
     AssertionError [deepcopy], also shard-runtime/tests/test_fully_shard_api.py
-25. fully_shard on something that is not a module
+27. fully_shard on something that is not a module
     TypeError [not_a_module]
-26. fully_shard on an empty list
+28. fully_shard on an empty list
     ValueError [empty_list]
-27. a submodule's forward run before its root's first forward
+29. a submodule's forward run before its root's first forward
     RuntimeError [inner_forward_first], also shard-runtime/tests/test_fully_shard_api.py
-28. a sharded parameter replaced by a plain (full) tensor
+30. a sharded parameter replaced by a plain (full) tensor
     AttributeError [replaced_by_plain_tensor], also shard-runtime/tests/test_fully_shard_api.py
-29. register_fsdp_forward_method with a method the module lacks
+31. register_fsdp_forward_method with a method the module lacks
     ValueError [missing_forward_method], also shard-runtime/tests/test_compat_fully_shard.py
-30. a sharding_strategy that is not a ShardingStrategy
+32. a sharding_strategy that is not a ShardingStrategy
     TypeError [wrapper_bad_strategy], also shard-runtime/tests/test_wrapper_api.py
-31. frozen and trainable parameters in one flat parameter
+33. frozen and trainable parameters in one flat parameter
     ValueError [wrapper_frozen_mix], also shard-runtime/tests/test_wrapper_api.py
-32. FullyShardedDataParallel over a module already sharded by fully_shard
+34. FullyShardedDataParallel over a module already sharded by fully_shard
     ValueError [wrapper_over_fully_shard], also shard-runtime/tests/test_wrapper_api.py
-33. both process_group and device_mesh
+35. both process_group and device_mesh
     ValueError [wrapper_group_and_mesh]
-34. a hybrid strategy given one process group
+36. a hybrid strategy given one process group
     ValueError [wrapper_hybrid_plain_group]
-35. a wrap policy asked for by a name nobody registered
+37. a wrap policy asked for by a name nobody registered
     UnknownPluginNameError [unknown_wrap_policy], also shard-core/tests/test_registry.py
-36. DataParallelMeshDims with neither axis
+38. DataParallelMeshDims with neither axis
     ValueError [empty_mesh_dims]
-37. load of a checkpoint from a different model (other names)
+39. load of a checkpoint from a different model (other names)
     CheckpointError [load_other_model], also shard-checkpoint/tests/test_storage.py
-38. load of a checkpoint from a different model (other shapes)
+40. load of a checkpoint from a different model (other shapes)
     CheckpointError [load_other_shapes], also shard-checkpoint/tests/test_storage.py
-39. a truncated checkpoint data file
+41. a truncated checkpoint data file
     CheckpointError [truncated_data_file], also shard-checkpoint/tests/test_storage.py
-40. a corrupted (cut) .metadata file
+42. a corrupted (cut) .metadata file
     CheckpointError [corrupt_metadata]
-41. a corrupted checkpoint data file (overwritten bytes)
+43. a corrupted checkpoint data file (overwritten bytes)
     CheckpointError [corrupt_data_file]
-42. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
+44. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
     CheckpointError [unwritable_directory]
-43. a checkpoint path under a file
+45. a checkpoint path under a file
     CheckpointError [parent_not_a_directory]
-44. a full disk (ENOSPC) while saving; the previous checkpoint loads
+46. a full disk (ENOSPC) while saving; the previous checkpoint loads
     CheckpointError [disk_full], also shard-checkpoint/tests/test_failures.py
-45. a checkpoint_id that is a file
+47. a checkpoint_id that is a file
     CheckpointError [checkpoint_id_is_a_file], also shard-checkpoint/tests/test_storage.py
-46. a checkpoint_id that is a directory of other files
+48. a checkpoint_id that is a directory of other files
     CheckpointError [directory_not_a_checkpoint], also shard-checkpoint/tests/test_storage.py
-47. load from a path with no checkpoint
+49. load from a path with no checkpoint
     CheckpointError [load_missing], also shard-checkpoint/tests/test_storage.py
-48. load of a checkpoint a failed save left incomplete
+50. load of a checkpoint a failed save left incomplete
     CheckpointError [load_incomplete], also shard-checkpoint/tests/test_storage.py
 .. catalogue-end
 """
@@ -661,6 +665,16 @@ def _empty_mesh_dims(tmp: Path) -> None:
     DataParallelMeshDims()
 
 
+def _fully_shard_without_init(tmp: Path) -> None:
+    assert not dist.is_initialized()
+    fully_shard(nn.Linear(4, 4))
+
+
+def _wrapper_without_init(tmp: Path) -> None:
+    assert not dist.is_initialized()
+    FullyShardedDataParallel(nn.Linear(4, 4), auto_wrap_policy="transfomer")  # misspelled too
+
+
 LOCAL_SCENARIOS: dict[str, Callable[[Path], None]] = {
     "load_other_model": _other_model,
     "load_other_shapes": _other_shapes,
@@ -677,6 +691,8 @@ LOCAL_SCENARIOS: dict[str, Callable[[Path], None]] = {
     "integer_param_dtype": _integer_param_dtype,
     "unknown_wrap_policy": _unknown_wrap_policy,
     "empty_mesh_dims": _empty_mesh_dims,
+    "fully_shard_without_init": _fully_shard_without_init,
+    "wrapper_without_init": _wrapper_without_init,
 }
 
 
@@ -796,6 +812,22 @@ CATALOGUE: list[Kind] = [
         ("FullyShardedDataParallel(Linear)", "parameter 'weight'", "_OnlyPreAllGather"),
         ("Shard this module with fully_shard",),
         "shard-runtime/tests/test_fully_shard_extensions.py",
+    ),
+    Kind(
+        "fully_shard_without_init",
+        "fully_shard before torch.distributed is initialized, without a mesh",
+        RuntimeError,
+        ("fully_shard", "torch.distributed is not initialized"),
+        ("shard_comms.init_distributed()", "pass mesh="),
+        where="local",
+    ),
+    Kind(
+        "wrapper_without_init",
+        "FullyShardedDataParallel before torch.distributed is initialized, without a mesh",
+        RuntimeError,
+        ("FullyShardedDataParallel", "torch.distributed is not initialized"),
+        ("shard_comms.init_distributed()", "device_mesh="),
+        where="local",
     ),
     Kind(
         "integer_param_dtype",

@@ -580,6 +580,12 @@ def _mesh_for(
         raise ValueError(
             "FullyShardedDataParallel: pass either process_group or device_mesh, not both"
         )
+    if device_mesh is None and process_group is None and not dist.is_initialized():
+        raise RuntimeError(
+            "FullyShardedDataParallel: torch.distributed is not initialized; call "
+            "shard_comms.init_distributed() (or run under torchrun) before wrapping, or pass "
+            "device_mesh= or process_group="
+        )
     hybrid = strategy in HYBRID_STRATEGIES
     if device_mesh is not None:
         if hybrid and device_mesh.ndim != 2:
