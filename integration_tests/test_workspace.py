@@ -73,7 +73,7 @@ def _allowed(name: str) -> set[str]:
 
 def test_top_level_is_exactly_the_workspace() -> None:
     """The repository holds packages, plugins, integration tests, tools, examples, config,
-    README, ARCHITECTURE, LICENSE, CI."""
+    README, ARCHITECTURE, DESIGN, LICENSE, CI."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         pytest.skip("not a git checkout")
     listed = subprocess.run(
@@ -84,6 +84,7 @@ def test_top_level_is_exactly_the_workspace() -> None:
         ".ci",
         ".github",
         "ARCHITECTURE.md",
+        "DESIGN.md",
         "LICENSE",
         "README.md",
         "examples",

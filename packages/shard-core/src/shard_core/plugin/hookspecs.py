@@ -37,7 +37,7 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 """Marks a plugin's hook implementations. Import it as ``from shard_core import hookimpl``.
 
-That is the one documented path (DESIGN.md, every plugin of this repository).
+That is the one documented path (DESIGN.md, section 3; every plugin of this repository).
 ``shard_core.plugin.hookimpl`` and this module's name are the same object and
 stay importable for plugins written against them; new code uses the top.
 """
