@@ -6,9 +6,12 @@ bad argument, ``LookupError`` for an unknown name...), so existing ``except``
 clauses keep working. Messages name the culprit (module, parameter, plugin)
 and say what to do instead.
 
-All of them live here, in the bottom layer, whichever layer raises them: a
-plugin depends on ``shard-core`` only and must be able to catch (and raise)
-the same classes as the communication layer and the runtime. The packages
+They live here, in the bottom layer, whichever layer raises them: a plugin
+depends on ``shard-core`` only and must be able to catch (and raise) the same
+classes as the communication layer and the runtime. The one exception is
+shard-checkpoint's ``CheckpointError``/``StateDictError``
+(``shard_checkpoint/_errors.py``): only that distribution raises them and no
+plugin catches them; they too derive from :class:`ShardError`. The packages
 that raise them re-export them where users look (``shard_comms.MeshError``,
 ``shard_device_cuda.DeviceUnavailableError``...); those are the same classes.
 """
