@@ -61,6 +61,7 @@ PLUMBING = [
     "flat_units",
     "full_to_flat",
     "is_flat_layout",
+    "is_tensor_subclass",
     "original_buffer_dtypes",
     "plan_units",
     "resolve_wrap_policy",
