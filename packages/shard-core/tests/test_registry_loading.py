@@ -239,7 +239,6 @@ def test_optional_unknown_hook_is_allowed(monkeypatch: pytest.MonkeyPatch) -> No
         ({"SHARD_DISABLE_PLUGINS": "alpha"}, ["beta", "builtins"]),
         ({"SHARD_DISABLE_PLUGINS": " alpha , beta "}, ["builtins"]),
         ({"SHARD_DISABLE_PLUGINS": "Shard_Beta"}, ["alpha", "builtins"]),
-        ({"SHARD_DISABLE_PLUGINS": "builtins"}, ["alpha", "beta", "builtins"]),
         ({"SHARD_LOAD_PLUGINS": "beta"}, ["beta", "builtins"]),
         ({"SHARD_LOAD_PLUGINS": "shard-alpha"}, ["alpha", "builtins"]),
         ({"SHARD_LOAD_PLUGINS": ""}, ["builtins"]),
@@ -289,6 +288,25 @@ def test_load_switch_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPat
             "alpha",
             "builtins",
         ]
+
+
+def test_disable_switch_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A misspelled SHARD_DISABLE_PLUGINS entry says so instead of blocking nothing silently."""
+    install(monkeypatch, *alpha_and_beta())
+    message = (
+        "SHARD_DISABLE_PLUGINS names 'alpah', but no installed shard plugin has that entry-point "
+        "or distribution name; installed: shard-alpha 1.0 (plugin 'alpha'), shard-beta 2.0 "
+        "(plugin 'beta')"
+    )
+    with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
+        assert names(make_plugin_manager(environ={"SHARD_DISABLE_PLUGINS": "alpah,beta"})) == [
+            "alpha",
+            "builtins",
+        ]
+    message = "SHARD_DISABLE_PLUGINS names 'builtins': shard-core's built-ins are never blocked"
+    with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
+        loaded = names(make_plugin_manager(environ={"SHARD_DISABLE_PLUGINS": "builtins"}))
+    assert loaded == ["alpha", "beta", "builtins"]
 
 
 def test_trace_switch_logs_loading_and_hook_calls(

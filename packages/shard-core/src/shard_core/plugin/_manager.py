@@ -52,7 +52,8 @@ logger = logging.getLogger("shard.plugin")
 # list blocks those entry-point (or distribution) names. "" and "0" block none.
 # SHARD_LOAD_PLUGINS: when set, only the listed third-party plugins load; set
 # to "" it loads none (as LLM_LOAD_PLUGINS does). A name in both lists is
-# blocked. Built-ins are never blocked or limited.
+# blocked. Built-ins are never blocked or limited. A name in either list that
+# matches no installed plugin warns (a typo would otherwise change nothing).
 # SHARD_TRACE_PLUGINS: "1" (or true/yes/on) logs every plugin loaded or
 # skipped and every hook call with its result, at DEBUG level on the
 # "shard.plugin" logger (which then prints to stderr unless logging is set up).
@@ -250,13 +251,17 @@ def _load_entry_points(pm: ShardPluginManager, env: Mapping[str, str]) -> None:
             pm.note_not_loaded(origin, reason)
             if pm.trace_calls:
                 logger.debug("did not load %s: %s", origin.describe(), reason)
-    for name in sorted(selection.only or ()):
-        if not any(_matches(name, origin) for origin in found):
-            installed = ", ".join(sorted(o.describe() for o in found)) or "none"
-            _warn(
-                f"{ENV_LOAD} names {name!r}, but no installed shard plugin has that entry-point "
-                f"or distribution name; installed: {installed}"
-            )
+    # A misspelled name in either switch would otherwise block or limit nothing, silently.
+    for switch, listed in ((ENV_DISABLE, selection.blocked), (ENV_LOAD, selection.only or ())):
+        for name in sorted(listed):
+            if name == BUILTINS_NAME and switch == ENV_DISABLE:
+                _warn(f"{ENV_DISABLE} names {name!r}: shard-core's built-ins are never blocked")
+            elif not any(_matches(name, origin) for origin in found):
+                installed = ", ".join(sorted(o.describe() for o in found)) or "none"
+                _warn(
+                    f"{switch} names {name!r}, but no installed shard plugin has that "
+                    f"entry-point or distribution name; installed: {installed}"
+                )
 
 
 def _load_one(pm: ShardPluginManager, entry_point: _EntryPoint, origin: PluginOrigin) -> str | None:
