@@ -101,9 +101,8 @@ def shard_like(full: torch.Tensor, like: DTensor, *, key: str, copy: bool = Fals
     """
     device = like.to_local().device
     piece = local_chunk(full, like, key=key)
-    if is_tensor_subclass(piece) and piece.device == device and not copy:
-        pass  # kept as it is: a subclass's ``to`` may convert (NF4's dequantizes)
-    else:
+    # A subclass already in place is kept as it is: its ``to`` may convert (NF4's dequantizes).
+    if copy or piece.device != device or not is_tensor_subclass(piece):
         piece = piece.to(device=device, copy=copy, memory_format=torch.contiguous_format)
     return contiguous_dtensor(piece, like.device_mesh, like.placements, like.shape)
 

@@ -7,10 +7,11 @@ weights, for example) is gathered on its own terms, as PyTorch's
 ``fully_shard`` does it:
 
 - before each all-gather, ``fsdp_pre_all_gather`` is called on this rank's
-  (padded) shard, with the mesh alone or with ``(mesh, outer_size,
-  outer_stride, module, mp_policy)`` as its signature asks; it returns the
-  tensors to gather (any number, any dtypes: NF4 sends three, float8 one
-  ``float8_e4m3fn``) and metadata for the other side;
+  shard (unpadded: a short shard must return inputs of the padded size), with
+  the mesh alone or with ``(mesh, outer_size, outer_stride, module,
+  mp_policy)`` as its signature asks; it returns the tensors to gather (any
+  number, any dtypes: NF4 sends three, float8 one ``float8_e4m3fn``) and
+  metadata for the other side;
 - each returned tensor is gathered into its own output of ``world * numel``
   elements, kept for the parameter's life: its storage is released when the
   unit reshards and grown back before the next gather, so that
@@ -104,7 +105,7 @@ class AllGatherExtension:
         mp_policy: object,
         padded_shape: torch.Size,
     ) -> list[torch.Tensor]:
-        """Call the pre hook on ``shard`` (padded); return its inputs, flattened.
+        """Call the pre hook on ``shard`` (unpadded); return its inputs, flattened.
 
         The hook's signature is read at each call, as PyTorch does: the old
         one-argument form gets the mesh alone.

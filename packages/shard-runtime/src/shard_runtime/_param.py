@@ -354,7 +354,7 @@ class ShardedParam:
         mesh = self.mesh if self.mesh.ndim == 1 else _last_axis(self.mesh)
         return extension.pre_all_gather(local, mesh, self.data_shape, module, mp_policy, padded)
 
-    def write_extension_outputs(self, blocks: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    def write_extension_outputs(self, blocks: list[torch.Tensor]) -> bool:
         """Copy the gathered ``(world, n)`` blocks into the outputs and rebuild the parameter.
 
         ``blocks`` are in the gather's dtype (``uint8`` when it moved bytes).
@@ -372,7 +372,7 @@ class ShardedParam:
                 target.copy_(block)
         full = extension.post_all_gather(
             self.sharded_param._local_tensor,  # type: ignore[attr-defined]
-            dtype,
+            self.compute_dtype,
             self.unsharded_param,
         )
         if full is None:
@@ -541,14 +541,10 @@ class ShardedParam:
     def _reset_subclass_shard(self, local: torch.Tensor) -> None:
         if local is self.installed_local:
             return
-        padded_shape = self.padded_shape
-        if local.size() == padded_shape:
+        if local.size() == self.padded_shape:
             padded = view = local
         else:
-            padded = local.new_zeros(padded_shape)
-            if local.device.type != "meta" and local.numel() > 0:
-                with torch.no_grad():
-                    padded.narrow(self.shard_dim, 0, local.size(self.shard_dim)).copy_(local)
+            padded = _pad_subclass(local, self.padded_shape, self.shard_dim)
             view = padded.narrow(self.shard_dim, 0, self.local_rows)
             self.sharded_param._local_tensor = view  # type: ignore[attr-defined]
         self.padded_shard = padded
@@ -746,13 +742,25 @@ def _padded_subclass_shard(
     a general slice is not.
     """
     chunks = torch.chunk(data, world, dim=shard_dim)
-    padded = data.new_zeros(_with_dim(data.shape, shard_dim, padded_rows))
-    if rank < len(chunks) and chunks[rank].numel() > 0 and data.device.type != "meta":
-        chunk = chunks[rank]
-        with torch.no_grad():
-            padded.narrow(shard_dim, 0, chunk.size(shard_dim)).copy_(chunk)
+    padded_shape = _with_dim(data.shape, shard_dim, padded_rows)
+    if rank < len(chunks):
+        padded = _pad_subclass(chunks[rank], padded_shape, shard_dim)
+    else:  # ``torch.chunk`` ran out of rows before this rank: all padding
+        padded = data.new_zeros(padded_shape)
     if padded.device != device and data.device.type != "meta":
         padded = padded.to(device)
+    return padded
+
+
+def _pad_subclass(piece: torch.Tensor, padded_shape: torch.Size, dim: int) -> torch.Tensor:
+    """A copy of ``piece`` zero-padded along ``dim`` to ``padded_shape``, by the subclass's ops.
+
+    Always new storage (a chunk of the full parameter must not keep it alive).
+    """
+    padded = piece.new_zeros(padded_shape)
+    if piece.device.type != "meta" and piece.numel() > 0:
+        with torch.no_grad():
+            padded.narrow(dim, 0, piece.size(dim)).copy_(piece)
     return padded
 
 

@@ -57,6 +57,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._param import ShardedParam
 from shard_runtime._unit_layout import (
     GradPresence,
@@ -70,7 +71,13 @@ __all__ = ["PerParamLayout"]
 class PerParamLayout:
     """A :class:`~shard_runtime._unit_layout.UnitLayout` of :class:`ShardedParam` s."""
 
-    def __init__(self, params: list[ShardedParam], label: str, *, mp_policy: object = None) -> None:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        label: str,
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
+    ) -> None:
         self.params = params
         self._mp_policy = mp_policy  # what a five-argument fsdp_pre_all_gather is handed
         self.trainable = [p for p in params if p.requires_grad]
@@ -184,7 +191,8 @@ class PerParamLayout:
         subclass's ``fsdp_post_all_gather`` made. See [Note: one reduction per
         gradient dtype].
         """
-        if getattr(self._mp_policy, "reduce_dtype", None) is not None or not self.trainable:
+        reduce_dtype = None if self._mp_policy is None else self._mp_policy.reduce_dtype
+        if reduce_dtype is not None or not self.trainable:
             self._buckets = [self.trainable]
         else:
             by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
@@ -292,7 +300,7 @@ class PerParamLayout:
                         offset += size
                     if p.extension is None:
                         p.write_gathered(blocks[0])
-                    elif p.write_extension_outputs(blocks, p.compute_dtype):
+                    elif p.write_extension_outputs(blocks):
                         rebuilt.append(index)
         for index in rebuilt:
             self._rehook(index)
