@@ -275,34 +275,32 @@ def test_blocked_plugins_are_never_imported_and_say_why(monkeypatch: pytest.Monk
     ]
 
 
-def test_load_switch_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SHARD_LOAD_PLUGINS naming nothing installed says so and lists what is installed."""
-    install(monkeypatch, *alpha_and_beta())
-    message = (
-        "SHARD_LOAD_PLUGINS names 'gamma', but no installed shard plugin has that entry-point or "
-        "distribution name; installed: shard-alpha 1.0 (plugin 'alpha'), shard-beta 2.0 "
-        "(plugin 'beta')"
-    )
-    with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
-        assert names(make_plugin_manager(environ={"SHARD_LOAD_PLUGINS": "alpha,gamma"})) == [
-            "alpha",
-            "builtins",
-        ]
+_INSTALLED = "installed: shard-alpha 1.0 (plugin 'alpha'), shard-beta 2.0 (plugin 'beta')"
 
 
-def test_disable_switch_naming_a_missing_plugin_warns(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A misspelled SHARD_DISABLE_PLUGINS entry says so instead of blocking nothing silently."""
+@pytest.mark.parametrize(
+    ("switch", "value", "missing", "loaded"),
+    [
+        ("SHARD_LOAD_PLUGINS", "alpha,gamma", "gamma", ["alpha", "builtins"]),
+        ("SHARD_DISABLE_PLUGINS", "alpah,beta", "alpah", ["alpha", "builtins"]),
+    ],
+)
+def test_switch_naming_a_missing_plugin_warns(
+    monkeypatch: pytest.MonkeyPatch, switch: str, value: str, missing: str, loaded: list[str]
+) -> None:
+    """A switch naming nothing installed (a typo) says so and lists what is installed."""
     install(monkeypatch, *alpha_and_beta())
     message = (
-        "SHARD_DISABLE_PLUGINS names 'alpah', but no installed shard plugin has that entry-point "
-        "or distribution name; installed: shard-alpha 1.0 (plugin 'alpha'), shard-beta 2.0 "
-        "(plugin 'beta')"
+        f"{switch} names {missing!r}, but no installed shard plugin has that entry-point or "
+        f"distribution name; {_INSTALLED}"
     )
     with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
-        assert names(make_plugin_manager(environ={"SHARD_DISABLE_PLUGINS": "alpah,beta"})) == [
-            "alpha",
-            "builtins",
-        ]
+        assert names(make_plugin_manager(environ={switch: value})) == loaded
+
+
+def test_disable_switch_naming_the_builtins_warns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built-ins are never blocked; asking to block them says so instead of doing nothing."""
+    install(monkeypatch, *alpha_and_beta())
     message = "SHARD_DISABLE_PLUGINS names 'builtins': shard-core's built-ins are never blocked"
     with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
         loaded = names(make_plugin_manager(environ={"SHARD_DISABLE_PLUGINS": "builtins"}))
