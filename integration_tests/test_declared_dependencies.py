@@ -29,7 +29,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from ._workspace import DISTRIBUTIONS, ROOT
+from ._workspace import DISTRIBUTIONS, ROOT, declared_requirements
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,7 +116,7 @@ def _declared(distribution: str) -> tuple[set[str], set[str]]:
     """(``dependencies``, every extra's requirements together), as canonical names."""
     project = _project(distribution)
     extras = project.get("optional-dependencies", {})
-    return _names(project.get("dependencies", [])), _names(
+    return _names(declared_requirements(ROOT / distribution)), _names(
         [text for texts in extras.values() for text in texts]
     )
 

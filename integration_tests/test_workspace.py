@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from ._workspace import DISTRIBUTIONS, ROOT
+from ._workspace import DISTRIBUTIONS, ROOT, SIBLINGS_HOOK, declared_requirements
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -57,7 +57,7 @@ def _import_name(distribution: str) -> str:
 
 
 def _own_dependencies(distribution: str) -> dict[str, Requirement]:
-    requirements = (Requirement(text) for text in _project(distribution).get("dependencies", []))
+    requirements = (Requirement(text) for text in declared_requirements(ROOT / distribution))
     return {r.name: r for r in requirements if r.name.startswith("shard-")}
 
 
@@ -121,7 +121,10 @@ def test_distribution_is_self_contained(distribution: str) -> None:
     assert data["build-system"]["build-backend"] == "hatchling.build"
     assert any(r.startswith("hatchling") for r in data["build-system"]["requires"])
     assert project["readme"] == "README.md"
-    assert project["dynamic"] == ["version"]
+    assert project["dynamic"] == ["version", "dependencies"]
+    hook = data["tool"]["hatch"]["metadata"]["hooks"]["custom"]
+    assert (here / hook["path"]).resolve() == ROOT / SIBLINGS_HOOK
+    assert data["tool"]["hatch"]["metadata"]["allow-direct-references"] is True
     assert data["tool"]["hatch"]["version"]["path"] == f"src/{name}/_version.py"
     assert data["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == [f"src/{name}"]
     assert (here / "src" / name / "__init__.py").is_file()
@@ -142,7 +145,8 @@ def test_distribution_is_self_contained(distribution: str) -> None:
 
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_dependencies_on_our_packages_are_version_ranges(distribution: str) -> None:
-    """A dependency on another shard distribution is a version range it satisfies, never a URL."""
+    """A declared dependency on another shard distribution is a version range it satisfies,
+    never a URL (the siblings hook adds the URL when it builds)."""
     for dep_name, requirement in _own_dependencies(distribution).items():
         assert requirement.url is None, f"{distribution} depends on {requirement} by URL"
         assert str(requirement.specifier) != "", f"{distribution}: {requirement} has no range"
@@ -164,7 +168,7 @@ def _dev_torch_pin() -> Version:
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_torch_lower_bound_is_the_tested_version(distribution: str) -> None:
     """Each distribution declares torch >= the version CI tests (no untested older torch), < 3."""
-    requirements = [Requirement(text) for text in _project(distribution)["dependencies"]]
+    requirements = [Requirement(text) for text in declared_requirements(ROOT / distribution)]
     (torch,) = [r for r in requirements if r.name == "torch"]
     lower = [Version(s.version) for s in torch.specifier if s.operator == ">="]
     upper = [Version(s.version) for s in torch.specifier if s.operator == "<"]
@@ -183,6 +187,21 @@ def test_every_src_package_is_typed() -> None:
     ]
     assert len(roots) == len(DISTRIBUTIONS)
     assert [p.relative_to(ROOT).as_posix() for p in roots if not (p / "py.typed").is_file()] == []
+
+
+def test_the_whole_stack_requires_every_distribution() -> None:
+    """The root's shard-stack (``pip install .``) requires each distribution once, by range, and
+    offers shard-cli's extras under the same names."""
+    root = _pyproject(ROOT / "pyproject.toml")
+    assert root["project"]["name"] == "shard-stack"
+    assert (ROOT / root["tool"]["hatch"]["metadata"]["hooks"]["custom"]["path"]) == (
+        ROOT / SIBLINGS_HOOK
+    )
+    required = [Requirement(text) for text in declared_requirements(ROOT)]
+    assert sorted(r.name for r in required) == sorted(Path(d).name for d in DISTRIBUTIONS)
+    assert all(str(r.specifier) for r in required)
+    cli = _project("packages/shard-cli")
+    assert root["project"]["optional-dependencies"] == cli["optional-dependencies"]
 
 
 def test_shard_runtime_brings_the_cuda_device_plugin() -> None:

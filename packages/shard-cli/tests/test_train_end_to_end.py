@@ -24,7 +24,7 @@ import pytest
 
 from shard_cli import inspect_checkpoint
 from shard_cli.__main__ import main
-from shard_cli._plot import BUILTIN_SIZE, MATPLOTLIB_SIZE, available_renderer
+from shard_cli._plot import CHART_SIZE
 from shard_cli._train_checkpoint import read_step
 
 TINY = ["--preset", "tiny", "--batch", "4", "--seq", "32", "--ckpt-every", "3"]
@@ -164,9 +164,8 @@ def _read_png(data: bytes) -> tuple[int, int]:
 
 
 def test_training_png_is_a_valid_image(run: Run) -> None:
-    """training.png is valid (signature, chunks, CRCs, rows) at its renderer's documented size."""
-    expected = MATPLOTLIB_SIZE if available_renderer() == "matplotlib" else BUILTIN_SIZE
-    assert _read_png((run.run_dir / "training.png").read_bytes()) == expected
+    """training.png is valid (signature, chunks, CRCs, rows) at its documented size."""
+    assert _read_png((run.run_dir / "training.png").read_bytes()) == CHART_SIZE
 
 
 def test_checkpoint_inspect_and_consolidate(run: Run, tmp_path: Path) -> None:
