@@ -57,7 +57,7 @@ CHECKOUT_CLOSURES = {
 def _install_block(kind: str) -> list[str]:
     """The ``pip install`` lines of README's block of ``kind`` (checkout or git)."""
     section = README[README.index("## Packages") :]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    blocks = re.findall(r"```bash[^\n]*\n(.*?)```", section, flags=re.DOTALL)
     for block in blocks:
         lines = [line.split("  #")[0].strip() for line in block.splitlines()]
         installs = [line for line in lines if line.startswith("pip install")]
@@ -178,6 +178,32 @@ def test_checkout_command_installs_its_closure_from_the_checkout(
     assert set(resolved) == CHECKOUT_CLOSURES[path]
     for name, url in resolved.items():
         assert url.startswith(ROOT.as_uri()), f"{name} from {url}, not from the checkout"
+
+
+def _package_readme_installs() -> list[str]:
+    """The ``pip install ./…`` lines of the packages' and plugins' own READMEs."""
+    lines = []
+    for readme in sorted(ROOT.glob("*/*/README.md")):
+        text = readme.read_text(encoding="utf-8")
+        for block in re.findall(r"```bash[^\n]*\n(.*?)```", text, re.S):
+            lines += [
+                line.split("  #")[0].strip()
+                for line in block.splitlines()
+                if line.startswith("pip install ./")
+            ]
+    return lines
+
+
+def test_package_readme_commands_install_from_the_checkout(
+    fresh_python: Path, tmp_path: Path
+) -> None:
+    """Every package README's install line resolves, with shard-core, from the checkout."""
+    commands = _package_readme_installs()
+    paths = [command.split()[-1] for command in commands]
+    assert len(paths) == 6  # the six plugins
+    resolved = _resolve(fresh_python, "pip install " + " ".join(paths), ROOT, tmp_path)
+    assert set(resolved) == {Path(path).name for path in paths} | {"shard-core"}
+    assert all(url.startswith(ROOT.as_uri()) for url in resolved.values()), resolved
 
 
 @pytest.fixture(scope="module")

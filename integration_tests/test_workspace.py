@@ -255,7 +255,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     """.ci/run runs README's second command; the CPU job runs .ci/run, the GPU job check.sh."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    commands = re.findall(r"```bash\n(.*?)\n```", quick_start, re.DOTALL)
+    commands = re.findall(r"```bash[^\n]*\n(.*?)\n```", quick_start, re.DOTALL)
     assert len(commands) == 2
     assert commands[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
     cpu = (ROOT / ".github" / "workflows" / "cpu.yml").read_text(encoding="utf-8")

@@ -38,7 +38,7 @@ DEADLINE_S = 120.0
 def readme_multinode_command() -> list[str]:
     """The ``torchrun`` command of README's "Several machines" section, as argv."""
     section = README.split("## Several machines", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
+    block = re.search(r"```bash[^\n]*\n(.*?)```", section, re.DOTALL)
     assert block is not None, "README's 'Several machines' section has no bash block"
     return shlex.split(block.group(1).replace("\\\n", " "))
 
