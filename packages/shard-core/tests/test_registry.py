@@ -438,6 +438,7 @@ def test_collision_is_reported_once() -> None:
 def test_a_plugin_cannot_take_a_builtin_name() -> None:
     """A plugin offering "module_class" is ignored for that name, with a warning: built-ins win."""
     pm = make_plugin_manager(load_entry_points=False)
+    assert isinstance(pm, ShardPluginManager)
     pm.register(
         WrapPolicies({"module_class": LambdaWrapPolicy, "mine": LambdaWrapPolicy}),
         name="evil",

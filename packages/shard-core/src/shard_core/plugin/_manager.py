@@ -118,7 +118,8 @@ class ShardPluginManager(pluggy.PluginManager):
         self._origins: dict[str, PluginOrigin] = {}
         self._not_loaded: list[tuple[PluginOrigin, str]] = []
         self._warned: set[str] = set()
-        self._rejected: list[tuple[str, str]] | None = None  # (hook, problem), while registering
+        # (hook, problem; None: a hook shard does not define), while a plugin registers
+        self._rejected: list[tuple[str, str | None]] | None = None
         self._rejection: dict[str, str] = {}  # plugin name -> why none of its hooks was kept
 
     def origin(self, name: str) -> PluginOrigin | None:
@@ -213,7 +214,7 @@ class ShardPluginManager(pluggy.PluginManager):
         if caller is None or caller.spec is None:
             if opts.get("optionalhook"):
                 return opts
-            self._rejected.append((hook_name, "unknown"))
+            self._rejected.append((hook_name, None))
             return None
         problem = _signature_problem(caller, getattr(plugin, name, None))
         if problem is not None:
@@ -251,10 +252,10 @@ def _signature_problem(caller: pluggy.HookCaller, function: object) -> str | Non
     )
 
 
-def _problems(rejected: list[tuple[str, str]]) -> str:
+def _problems(rejected: list[tuple[str, str | None]]) -> str:
     """One plugin's problems as one clause: ``implements ...; it also implements ...``."""
-    unknown = sorted(hook for hook, problem in rejected if problem == "unknown")
-    clauses = [problem for _, problem in rejected if problem != "unknown"]
+    unknown = sorted(hook for hook, problem in rejected if problem is None)
+    clauses = [problem for _, problem in rejected if problem is not None]
     if unknown:
         known = ", ".join(sorted(n for n in hookspecs.__all__ if n.startswith("shard_")))
         clauses.insert(
