@@ -9,9 +9,11 @@ the original; see [Note: finding the code that raised].
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import sys
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -161,10 +163,17 @@ def _plugin_of(top: str) -> PluginOrigin | None:
 def _distribution_of(top: str) -> str | None:
     """``"name version"`` of the installed distribution that provides package ``top``, if known."""
     try:
-        names = importlib.metadata.packages_distributions().get(top)
+        names = _packages_distributions().get(top)
     except Exception:  # a broken distribution's metadata must not hide the real error
         return None
     return _version_of(names[0]) if names else None
+
+
+@functools.lru_cache(maxsize=1)
+def _packages_distributions() -> Mapping[str, list[str]]:
+    # Reads every installed distribution's file list (a second or so in a large
+    # environment), so once per process; this runs only when reporting an error.
+    return importlib.metadata.packages_distributions()
 
 
 def _version_of(distribution: str) -> str:
