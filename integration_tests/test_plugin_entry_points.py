@@ -1,7 +1,14 @@
-"""The three bundled plugins, found through their real entry points by the real registry."""
+"""The bundled plugins, found through their real entry points by the real registry.
+
+Also checks shard-core's table of the names these plugins own
+(``SHARD_OWNED_NAMES``, which unknown-name errors use to say what to install)
+against what the distributions under ``plugins/`` really register.
+"""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Iterator
 
 import pluggy
@@ -9,10 +16,18 @@ import pytest
 import torch
 
 import shard_comm_lowp
+import shard_device_accel
 import shard_device_accel.plugin
 import shard_device_cuda.plugin
 from shard_core import CpuDeviceHandle, get_plugin_manager, get_registry, reset_plugin_manager
-from shard_core.plugin import PROJECT_NAME, Registry, hookspecs
+from shard_core.plugin import PROJECT_NAME, SHARD_OWNED_NAMES, Registry, hookspecs
+
+from ._workspace import DISTRIBUTIONS, ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - CI runs 3.11
+    tomllib = pytest.importorskip("tomli")
 
 SWITCHES = ("SHARD_DISABLE_PLUGINS", "SHARD_LOAD_PLUGINS", "SHARD_TRACE_PLUGINS")
 
@@ -92,3 +107,42 @@ def test_distinfo_matches_pluggys_own_entry_point_loader(registry: Registry) -> 
 
     assert len(registry.plugin_names()) == len(pairs(reference)) + 1  # and builtins
     assert pairs(get_plugin_manager()) == pairs(reference)
+
+
+def _plugin_modules() -> dict[str, list[object]]:
+    """Each distribution under plugins/, by name, with the modules of its ``shard`` entry points."""
+    found: dict[str, list[object]] = {}
+    for path in DISTRIBUTIONS:
+        if not path.startswith("plugins/"):
+            continue
+        with (ROOT / path / "pyproject.toml").open("rb") as file:
+            project = tomllib.load(file)["project"]
+        targets = project.get("entry-points", {}).get(PROJECT_NAME, {}).values()
+        found[project["name"]] = [importlib.import_module(t.partition(":")[0]) for t in targets]
+    return found
+
+
+def test_owned_names_table_matches_the_plugins_directory() -> None:
+    """SHARD_OWNED_NAMES lists exactly the names each plugin under plugins/ registers.
+
+    Named hooks are called; device types are those the CUDA plugin serves
+    ("cuda", even without a GPU) and shard-device-accel's ACCELERATOR_TYPES.
+    """
+    actual: dict[str, dict[str, str]] = {}
+    for distribution, modules in _plugin_modules().items():
+        for module in modules:
+            for hook in ("shard_comm_hooks", "shard_wrap_policies"):
+                implementation = getattr(module, hook, None)
+                if implementation is not None:
+                    for name in implementation():
+                        actual.setdefault(hook, {})[name] = distribution
+            if getattr(module, "shard_device_handle", None) is not None:
+                served = (
+                    shard_device_accel.ACCELERATOR_TYPES
+                    if distribution == "shard-device-accel"
+                    else [t for t in ("cuda",) if module.shard_device_handle(t) is not None]  # type: ignore[attr-defined]
+                )
+                assert served, f"{distribution}: serves no device type this test knows"
+                for device_type in served:
+                    actual.setdefault("shard_device_handle", {})[device_type] = distribution
+    assert {hook: dict(names) for hook, names in SHARD_OWNED_NAMES.items()} == actual

@@ -1,18 +1,34 @@
-"""The size and transformer wrap policies, found through their real entry points."""
+"""The wrap-policy plugins, found through their real entry points, and the registry's errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 from torch import nn
 
+import shard_wrap_example
 import shard_wrap_size
 import shard_wrap_size.plugin
 import shard_wrap_transformer
 import shard_wrap_transformer.plugin
-from shard_core import get_plugin_manager, get_registry, plan_wraps, reset_plugin_manager
-from shard_core.errors import UnknownPluginNameError
+from shard_core import (
+    PluginWarning,
+    get_plugin_manager,
+    get_registry,
+    hookimpl,
+    plan_wraps,
+    reset_plugin_manager,
+)
+from shard_core.errors import (
+    PluginCallError,
+    PluginCollisionError,
+    UnknownPluginNameError,
+    WrapPlanError,
+)
 from shard_core.plugin import PluginOrigin
 from shard_core.plugin._manager import ShardPluginManager
 from shard_wrap_size import SizeWrapPolicy
@@ -97,12 +113,82 @@ def test_transformer_policy_by_name_on_gpt2() -> None:
 
 
 def test_disabled_size_plugin_is_unknown_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SHARD_DISABLE_PLUGINS=wrap-size removes "size" and leaves "transformer"."""
+    """SHARD_DISABLE_PLUGINS=wrap-size removes "size", says why, and leaves "transformer"."""
     monkeypatch.setenv("SHARD_DISABLE_PLUGINS", "wrap-size")
     reg = get_registry()
     assert isinstance(reg.wrap_policy("transformer"), TransformerBlockPolicy)
     with pytest.raises(
         UnknownPluginNameError,
-        match=r"^no wrap policy is registered as 'size'; registered: .*'transformer'",
+        match=r"^no wrap policy is registered as 'size'; registered: .*'transformer'.*\. 'size' "
+        r"is provided by shard-wrap-size, which is installed but was not loaded \(blocked by "
+        r"SHARD_DISABLE_PLUGINS\)$",
     ):
+        reg.wrap_policy("size", min_num_params=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "problem", "accepted"),
+    [
+        (
+            "size",
+            {"bogus": 1},
+            "got an unexpected keyword argument 'bogus'",
+            "min_num_params=100000000, force_leaf_modules=None, exclude_wrap_modules=None",
+        ),
+        ("name_pattern", {}, "missing a required argument: 'pattern'", "pattern"),
+    ],
+)
+def test_wrong_options_of_a_plugin_policy_name_its_options(
+    name: str, options: dict[str, object], problem: str, accepted: str
+) -> None:
+    """A real plugin's factory with wrong options: the runtime's WrapPlanError, not a TypeError."""
+    with pytest.raises(WrapPlanError) as info:
+        get_registry().wrap_policy(name, **options)
+    assert str(info.value) == (
+        f"wrap policy {name!r} does not take the options {options!r}: {problem}; its options "
+        f"are: {accepted}"
+    )
+
+
+def test_plugin_policy_raising_names_its_distribution_and_the_module() -> None:
+    """An exception inside shard-wrap-example's wrap() names distribution, entry point, module."""
+    policy = get_registry().wrap_policy("name_pattern", pattern=r"layers\.\d+")
+    # Breaks its wrap() from the inside: the plugin's own line raises the TypeError.
+    policy._regex = types.SimpleNamespace(pattern="layers", fullmatch=None)  # type: ignore[attr-defined]
+    with pytest.raises(TypeError) as info:
+        plan_wraps(Net(), policy)
+    error = info.value
+    assert isinstance(error, PluginCallError)
+    assert str(error) == (
+        "wrap policy NamePatternPolicy('layers') raised TypeError: 'NoneType' object is not "
+        "callable in wrap() for module 'embed' (Embedding). It was raised in "
+        f"shard-wrap-example {shard_wrap_example.__version__} (plugin 'wrap-example'), module "
+        "'shard_wrap_example._policy': report it to the authors of shard-wrap-example with the "
+        "traceback above, or block the plugin with SHARD_DISABLE_PLUGINS=wrap-example"
+    )
+
+
+class _AlsoSize:
+    @hookimpl
+    def shard_wrap_policies(self) -> Mapping[str, Any]:
+        return {"size": SizeWrapPolicy, "also": SizeWrapPolicy}
+
+
+def test_a_name_claimed_twice_disables_only_that_name() -> None:
+    """A second plugin claiming "size" disables "size" only; every other name keeps working."""
+    reg = get_registry()
+    reg.plugin_manager.register(_AlsoSize(), name="also-size")
+    size = f"shard-wrap-size {shard_wrap_size.__version__} (plugin 'wrap-size')"
+    with pytest.warns(
+        PluginWarning,
+        match=rf"^wrap policy 'size' is registered by both {re.escape(size)} and plugin "
+        r"'also-size', so neither is used; every other wrap policy works. Uninstall one of them, "
+        r"or block one with SHARD_DISABLE_PLUGINS=wrap-size.$",
+    ):
+        policies = reg.wrap_policies()
+    assert "size" not in policies
+    assert {"also", "lambda", "module_class", "transformer"} <= set(policies)
+    assert isinstance(reg.wrap_policy("transformer"), TransformerBlockPolicy)
+    assert isinstance(reg.wrap_policy("also", min_num_params=1), SizeWrapPolicy)
+    with pytest.raises(PluginCollisionError, match=r"so it is disabled: names must be unique"):
         reg.wrap_policy("size", min_num_params=1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+
 import pytest
 
 import shard_core
@@ -20,6 +23,7 @@ BUILTIN_BASE = {
     "MeshError": ValueError,
     "ModelMismatchError": RuntimeError,
     "OptimizerStepError": RuntimeError,
+    "PluginCallError": RuntimeError,
     "PluginCollisionError": RuntimeError,
     "PluginError": RuntimeError,
     "ShardError": Exception,
@@ -62,3 +66,61 @@ def test_unknown_plugin_name_error_prints_its_message_unquoted() -> None:
     """str() of the LookupError subclass is the message itself, not a quoted key."""
     assert str(errors.UnknownPluginNameError("no comm hook 'x'")) == "no comm hook 'x'"
     assert str(errors.UnknownPluginNameError()) == ""
+
+
+def _raised(exc: Exception) -> errors.PluginCallError:
+    try:
+        raise exc
+    except Exception as caught:
+        return errors.PluginCallError.wrapping(caught, "policy raised")
+
+
+@pytest.mark.parametrize(
+    ("original", "category"),
+    [
+        (KeyError("k"), KeyError),
+        (IndexError(3), IndexError),
+        (AttributeError("a"), AttributeError),
+        (TypeError("t"), TypeError),
+        (json.JSONDecodeError("bad", "{", 0), ValueError),
+        (FileNotFoundError(2, "missing"), OSError),
+        (ModuleNotFoundError("m"), ImportError),
+        (NotImplementedError("n"), NotImplementedError),
+        (ZeroDivisionError("z"), ZeroDivisionError),
+        (RecursionError("r"), RecursionError),
+        (MemoryError(), MemoryError),
+    ],
+)
+def test_plugin_call_error_is_also_the_originals_category(
+    original: Exception, category: type[Exception]
+) -> None:
+    """A plugin's KeyError re-raised as PluginCallError is still caught by except KeyError."""
+    error = _raised(original)
+    assert isinstance(error, errors.PluginCallError)
+    assert isinstance(error, errors.PluginError)
+    assert isinstance(error, category)
+    assert type(error).__qualname__ == f"PluginCallError[{category.__name__}]"
+    assert type(error).__module__ == "shard_core.errors"
+    assert str(error) == "policy raised"
+    assert type(_raised(original)) is type(error)  # one class per category
+
+
+@pytest.mark.parametrize(
+    "original", [StopIteration(), Exception("e"), type("Own", (Exception,), {})()]
+)
+def test_plugin_call_error_without_a_category_is_a_plain_runtime_error(
+    original: Exception,
+) -> None:
+    """An exception of no category (its own class, StopIteration) gives PluginCallError itself."""
+    error = _raised(original)
+    assert type(error) is errors.PluginCallError
+    assert not isinstance(error, StopIteration)
+
+
+def test_plugin_call_error_pickles_with_its_category() -> None:
+    """A PluginCallError crosses processes (the rank pool pickles results): class and text kept."""
+    for original in (KeyError("k"), ValueError("v"), Exception("e")):
+        error = _raised(original)
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error)
+        assert str(copy) == "policy raised"

@@ -185,12 +185,88 @@ def test_plugin_with_a_bad_hook_signature_is_skipped(monkeypatch: pytest.MonkeyP
             return None
 
     install(monkeypatch, FakeEntryPoint("bad", FakeDist("shard-bad", "1.0"), BadSignature()))
+    message = (
+        "shard-bad 1.0 (plugin 'bad') implements shard_device_handle(device_type, rank), but "
+        "shard calls shard_device_handle(device_type) and cannot pass rank; it was skipped. Fix "
+        "or uninstall shard-bad, or block it with SHARD_DISABLE_PLUGINS=bad to silence this "
+        "warning."
+    )
+    with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
+        pm = make_plugin_manager(environ={})
+    assert names(pm) == ["builtins"]
+    assert isinstance(pm, ShardPluginManager)
+    assert pm.not_loaded() == [
+        (
+            PluginOrigin("bad", "shard-bad", "1.0"),
+            "implements shard_device_handle(device_type, rank), but shard calls "
+            "shard_device_handle(device_type) and cannot pass rank",
+        )
+    ]
+    assert pm.origin("bad") is None
+
+
+def test_partly_bad_plugin_keeps_its_valid_hooks_and_lists_every_problem(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One bad hook (or two) skips those hooks only; the warning lists each problem."""
+
+    class PartlyBad:
+        @hookimpl
+        def shard_wrap_policies(self) -> Mapping[str, Any]:
+            return {"mine": LambdaWrapPolicy}
+
+        @hookimpl
+        def shard_wrap_policy(self) -> Mapping[str, Any]:  # misspelled
+            return {}
+
+        @hookimpl
+        def shard_comm_hookz(self) -> Mapping[str, Any]:  # misspelled
+            return {}
+
+        @hookimpl
+        def shard_device_handle(self, device_type: str, rank: int) -> None:
+            return None
+
+    install(monkeypatch, FakeEntryPoint("partly", FakeDist("shard-partly", "2.0"), PartlyBad()))
+    message = (
+        "shard-partly 2.0 (plugin 'partly') implements hooks shard does not define: "
+        "shard_comm_hookz, shard_wrap_policy (known: shard_comm_hooks, shard_device_handle, "
+        "shard_state_dict_backend, shard_wrap_policies); it also implements "
+        "shard_device_handle(device_type, rank), but shard calls shard_device_handle(device_type) "
+        "and cannot pass rank; those hooks were skipped, its other hooks are used "
+        "(shard_wrap_policies). Fix or uninstall shard-partly, or block it with "
+        "SHARD_DISABLE_PLUGINS=partly to silence this warning."
+    )
+    with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
+        pm = make_plugin_manager(environ={})
+    assert isinstance(pm, ShardPluginManager)
+    assert names(pm) == ["builtins", "partly"]
+    assert pm.origin("partly") == PluginOrigin("partly", "shard-partly", "2.0")
+    assert pm.not_loaded() == []
+    assert [c.name for c in pm.get_hookcallers(pm.get_plugin("partly")) or ()] == [
+        "shard_wrap_policies"
+    ]
+    registry = Registry(pm)
+    assert isinstance(registry.wrap_policy("mine", fn=bool), LambdaWrapPolicy)
+    assert registry.device_handle("cpu").device_type == "cpu"
+
+
+def test_in_memory_registration_is_checked_the_same_way() -> None:
+    """pm.register() of a plugin with a misspelled hook warns too, naming the plugin."""
+
+    class Typo:
+        @hookimpl
+        def shard_wrap_policy(self) -> dict[str, Any]:
+            return {}
+
+    pm = make_plugin_manager(load_entry_points=False)
     with pytest.warns(
         PluginWarning,
-        match=r"^shard-bad 1.0 \(plugin 'bad'\) could not be registered: PluginValidationError: "
-        r"Plugin 'bad' for hook 'shard_device_handle'",
+        match=r"^plugin 'typo' implements hooks shard does not define: shard_wrap_policy "
+        r"\(known: .*\); it was skipped. Fix the plugin.$",
     ):
-        assert names(make_plugin_manager(environ={})) == ["builtins"]
+        assert pm.register(Typo(), name="typo") is None
+    assert pm.get_plugin("typo") is None
 
 
 def test_plugin_implementing_an_unknown_hook_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:

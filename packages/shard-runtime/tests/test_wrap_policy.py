@@ -37,7 +37,7 @@ from shard_core import (
     make_plugin_manager,
     plan_wraps,
 )
-from shard_core.errors import UnknownPluginNameError
+from shard_core.errors import PluginCallError, UnknownPluginNameError
 from shard_core.protocols import WrapPolicy
 from shard_runtime import FSDPModule, fully_shard
 from shard_runtime._state import get_state
@@ -239,13 +239,48 @@ def test_resolve_unknown_name_lists_registered(registry: Registry) -> None:
 
 
 def test_resolve_bad_options_names_the_policy(registry: Registry) -> None:
-    """Options the factory does not take are a WrapPlanError naming the policy and its signature."""
+    """Options the factory does not take are a WrapPlanError naming the policy and its signature.
+
+    The check is shard-core's (the registry's), so the registry and the
+    runtime give the same message.
+    """
     message = (
         "wrap policy 'names' does not take the options {'nmes': ['embed']}: got an unexpected "
-        "keyword argument 'nmes'; its options are: names"
+        "keyword argument 'nmes'; its options are: names=()"
     )
     with pytest.raises(WrapPlanError, match=f"^{re.escape(message)}$"):
         resolve_wrap_policy(("names", {"nmes": ["embed"]}), registry=registry)
+    with pytest.raises(WrapPlanError, match=f"^{re.escape(message)}$"):
+        registry.wrap_policy("names", nmes=["embed"])
+
+
+class _RaisingPolicy(NamePolicy):
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> bool:
+        if name == "blocks.1":
+            raise KeyError("oops in wrap")
+        return super().wrap(module, name, unwrapped_numel)
+
+    def __repr__(self) -> str:
+        return "RaisingPolicy()"
+
+
+def test_policy_raising_in_wrap_names_the_module() -> None:
+    """A policy's exception reaches the planner's caller naming the module and the code's module.
+
+    It is a PluginCallError chained to the original, and still a KeyError.
+    """
+    with pytest.raises(KeyError) as info:
+        plan_units(GPT(tied=False), resolve_wrap_policy(_RaisingPolicy(["blocks.0"])))
+    error = info.value
+    assert isinstance(error, PluginCallError)
+    assert isinstance(error.__cause__, KeyError)
+    message = (
+        "wrap policy RaisingPolicy() raised KeyError: 'oops in wrap' in wrap() for module "
+        f"'blocks.1' (Block). It was raised in your code, module {__name__!r} ({__file__}:"
+    )
+    assert re.fullmatch(
+        f"{re.escape(message)}\\d+\\): see the original exception above", str(error)
+    ), str(error)
 
 
 @pytest.mark.parametrize(

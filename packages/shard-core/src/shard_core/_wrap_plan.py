@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from shard_core.errors import WrapPlanError
+from shard_core.errors import ShardError, WrapPlanError
+from shard_core.plugin._blame import plugin_call_error, safe_repr
 from shard_core.protocols import WrapPolicy
 
 # WrapPlanError lives in shard_core.errors; re-exported here for old imports.
@@ -65,12 +66,21 @@ def plan_wraps(
     their parameters, like ``ignored_params``, are never counted. With
     ``policy=None`` the root is the only unit.
 
+    A policy is code shard did not write: an exception its ``descend`` or
+    ``wrap`` raises is re-raised as a
+    :class:`~shard_core.errors.PluginCallError` naming the policy, the
+    module's qualified name, and the plugin, package or module whose code
+    raised (a :class:`~shard_core.errors.ShardError` passes unchanged: it
+    names the culprit already).
+
     Raises:
         WrapPlanError: the policy chose a ``ModuleList``/``ModuleDict`` (or
             the root is one): a container has no forward, so its children
             must be the units; the policy answered something other than a
             bool or a mapping with string keys; ``root`` is ignored;
             ``policy`` is not a :class:`~shard_core.protocols.WrapPolicy`.
+        PluginCallError: the policy raised; also an instance of the original
+            exception's built-in category (a ``KeyError`` stays a ``KeyError``).
     """
     if policy is not None and not isinstance(policy, WrapPolicy):
         raise WrapPlanError(
@@ -114,7 +124,7 @@ class _Walker:
     def visit(self, module: nn.Module, name: str) -> dict[int, nn.Parameter]:
         """Walk ``module``'s subtree; return its parameters no unit claimed, by id."""
         unclaimed: dict[int, nn.Parameter] = {}
-        if self.policy is None or self.policy.descend(module, name):
+        if self.policy is None or self._ask("descend", module, name):
             for child_name, child in module.named_children():
                 if id(child) in self.ignored_module_ids or id(child) in self.visited:
                     continue
@@ -133,7 +143,7 @@ class _Walker:
 
         overrides: Mapping[str, Any] | None = None
         if self.policy is not None:
-            overrides = self._overrides(self.policy.wrap(module, name, numel), module, name)
+            overrides = self._overrides(self._ask("wrap", module, name, numel), module, name)
         is_root = module is self.root
         if overrides is None and not is_root:
             return unclaimed
@@ -150,6 +160,19 @@ class _Walker:
         )
         return {}
 
+    def _ask(self, method: str, module: nn.Module, name: str, *args: object) -> object:
+        """``policy.descend(...)`` or ``policy.wrap(...)``; see plan_wraps for its exceptions."""
+        try:
+            return getattr(self.policy, method)(module, name, *args)
+        except ShardError:
+            raise
+        except Exception as exc:
+            raise plugin_call_error(
+                exc,
+                f"wrap policy {safe_repr(self.policy)}",
+                f" in {method}() for module {_display(name)} ({type(module).__name__})",
+            ) from exc
+
     def _overrides(
         self, decision: object, module: nn.Module, name: str
     ) -> Mapping[str, Any] | None:
@@ -159,9 +182,9 @@ class _Walker:
         if isinstance(decision, Mapping) and all(isinstance(k, str) for k in decision):
             return decision
         raise WrapPlanError(
-            f"wrap policy {self.policy!r} answered {decision!r} ({type(decision).__name__}) "
-            f"for module {_display(name)} ({type(module).__name__}); a wrap policy answers "
-            f"True, False, or a mapping of keyword overrides with string keys"
+            f"wrap policy {safe_repr(self.policy)} answered {decision!r} "
+            f"({type(decision).__name__}) for module {_display(name)} ({type(module).__name__}); "
+            f"a wrap policy answers True, False, or a mapping of keyword overrides with string keys"
         )
 
     def _container_message(self, module: nn.Module, name: str, is_root: bool) -> str:

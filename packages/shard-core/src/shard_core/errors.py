@@ -18,6 +18,8 @@ that raise them re-export them where users look (``shard_comms.MeshError``,
 
 from __future__ import annotations
 
+from typing import cast
+
 __all__ = [
     "CollectiveError",
     "CommError",
@@ -28,6 +30,7 @@ __all__ = [
     "MeshError",
     "ModelMismatchError",
     "OptimizerStepError",
+    "PluginCallError",
     "PluginCollisionError",
     "PluginError",
     "PluginWarning",
@@ -82,7 +85,96 @@ class PluginError(ShardError, RuntimeError):
 
 
 class PluginCollisionError(PluginError):
-    """Two plugins registered the same name for the same kind of extension."""
+    """A name was looked up that two plugins both registered, so neither is used.
+
+    Only that name is disabled; every other name, built-ins included, keeps
+    working. A third-party name that is also a built-in one is no collision:
+    the built-in is used and the plugin is warned about. The message names
+    both distributions and the ``SHARD_DISABLE_PLUGINS`` setting that resolves it.
+    """
+
+
+class PluginCallError(PluginError):
+    """Code that shard called back into raised: a wrap policy, a policy factory, a comm hook.
+
+    Raised ``from`` the original exception, which stays the ``__cause__``. The
+    message says what shard was doing (for a wrap policy, the module's
+    qualified name), the exception, and whose code raised it: a plugin's
+    distribution and entry point, your own module, or shard's. A
+    :class:`ShardError` raised by that code is not wrapped: it already names
+    the culprit.
+
+    See [Note: catching what a plugin raised].
+    """
+
+    def __str__(self) -> str:
+        # The KeyError variant would quote the message like a dict key.
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The variants are made at run time; rebuild one from its category by name.
+        return (_rebuild_plugin_call_error, (_category_of(type(self)).__name__, str(self)))
+
+    @classmethod
+    def wrapping(cls, original: BaseException, message: str) -> PluginCallError:
+        """A :class:`PluginCallError` that is also an instance of ``original``'s built-in category.
+
+        ``raise PluginCallError.wrapping(exc, message) from exc``.
+        """
+        category = next((c for c in type(original).__mro__ if c in _CATEGORIES), RuntimeError)
+        return _variant(category)(message)
+
+
+# [Note: catching what a plugin raised]
+# A plugin's KeyError reaches the user as a PluginCallError, which names the
+# plugin, but an ``except KeyError`` around shard's call should still catch it.
+# So the error raised is a run-time subclass of PluginCallError and of the
+# original's nearest built-in category below: KeyError stays a KeyError, a
+# json.JSONDecodeError a ValueError, a FileNotFoundError an OSError. Only
+# built-ins whose constructor takes one message are categories; anything else
+# (a plugin's own Exception subclass) is a plain PluginCallError, which is a
+# RuntimeError like every PluginError. The original itself is ``__cause__``.
+_CATEGORIES: tuple[type[Exception], ...] = (
+    ArithmeticError,
+    AssertionError,
+    AttributeError,
+    EOFError,
+    ImportError,
+    IndexError,
+    KeyError,
+    LookupError,
+    MemoryError,
+    NameError,
+    NotImplementedError,
+    OSError,
+    OverflowError,
+    RecursionError,
+    RuntimeError,
+    TypeError,
+    ValueError,
+    ZeroDivisionError,
+)
+_VARIANTS: dict[type[Exception], type[PluginCallError]] = {RuntimeError: PluginCallError}
+
+
+def _variant(category: type[Exception]) -> type[PluginCallError]:
+    variant = _VARIANTS.get(category)
+    if variant is None:
+        name = f"PluginCallError[{category.__name__}]"
+        doc = f"A :class:`PluginCallError` whose original exception is a {category.__name__}."
+        made = type(name, (PluginCallError, category), {"__module__": __name__, "__doc__": doc})
+        made.__qualname__ = name
+        variant = _VARIANTS.setdefault(category, cast("type[PluginCallError]", made))
+    return variant
+
+
+def _category_of(variant: type[PluginCallError]) -> type[Exception]:
+    return next((c for c, v in _VARIANTS.items() if v is variant), RuntimeError)
+
+
+def _rebuild_plugin_call_error(category: str, message: str) -> PluginCallError:
+    by_name = {c.__name__: c for c in _CATEGORIES}
+    return _variant(by_name.get(category, RuntimeError))(message)
 
 
 class UnknownPluginNameError(ShardError, LookupError):
@@ -98,7 +190,14 @@ class UnknownPluginNameError(ShardError, LookupError):
 
 
 class PluginWarning(UserWarning):
-    """A plugin was skipped: it failed to load, or its hook raised or returned a malformed value."""
+    """A plugin, or part of one, was skipped; or two plugins claim one name.
+
+    It failed to load, implements a hook shard does not define (or with
+    arguments shard does not pass), its hook raised or returned malformed
+    entries, or it claims a name another plugin claims too. The message names
+    the distribution and entry point; it is shown once per process, on the
+    local rank 0 of each host, at the first caller outside shard.
+    """
 
 
 # - devices

@@ -122,7 +122,9 @@ def resolve_wrap_policy(
             and the accepted forms); a ``(name, options)`` tuple is malformed;
             a registered factory rejected the options.
         UnknownPluginNameError: no plugin registered the name (the message
-            lists the registered names).
+            lists the registered names, or the distribution to install).
+        PluginCollisionError: two plugins registered the name.
+        PluginCallError: a registered factory raised (the message names the plugin).
     """
     if policy is None:
         return None
@@ -172,26 +174,10 @@ def _resolve_named_tuple(policy: tuple[Any, ...], registry: Registry | None) -> 
 
 
 def _from_registry(name: str, options: Mapping[str, Any], registry: Registry | None) -> WrapPolicy:
+    # The registry checks the options against the factory's signature (a WrapPlanError
+    # naming the policy, the options and those it takes) and names the plugin when the
+    # factory raises, for every caller alike.
     registry = registry if registry is not None else get_registry()
-    factory = registry.wrap_policies().get(name)
-    if factory is not None:
-        try:
-            signature = inspect.signature(factory)
-        except ValueError:  # no signature to check (a builtin); the call will tell
-            signature = None
-        if signature is not None:
-            try:
-                signature.bind(**options)
-            except TypeError as exc:
-                takes = [
-                    p.name
-                    for p in signature.parameters.values()
-                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                ]
-                raise WrapPlanError(
-                    f"wrap policy {name!r} does not take the options {dict(options)!r}: {exc}; "
-                    f"its options are: {', '.join(takes) or 'none'}"
-                ) from None
     return registry.wrap_policy(name, **options)
 
 

@@ -10,10 +10,10 @@ trace plugins are read here too, once per manager.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import logging
 import os
 import re
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -22,7 +22,7 @@ import pluggy
 
 from shard_core._version import __version__
 from shard_core.errors import PluginWarning
-from shard_core.plugin import _builtins, hookspecs
+from shard_core.plugin import _builtins, _report, hookspecs
 from shard_core.plugin.hookspecs import PROJECT_NAME
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "PluginWarning",
     "ShardPluginManager",
     "describe_plugin",
+    "is_builtin",
     "logger",
     "make_plugin_manager",
 ]
@@ -45,7 +46,7 @@ ENV_TRACE = "SHARD_TRACE_PLUGINS"
 BUILTINS_NAME = "builtins"
 """The name shard-core's own plugin is registered under."""
 
-logger = logging.getLogger("shard.plugin")
+logger = _report.logger
 
 # [Note: plugin switches]
 # SHARD_DISABLE_PLUGINS: "1" or "all" blocks every third-party plugin; a comma
@@ -103,14 +104,23 @@ class ShardPluginManager(pluggy.PluginManager):
     """A pluggy manager that remembers where each third-party plugin came from.
 
     The registry uses that to name distributions in warnings and errors, and
-    to say why a plugin it would need was not loaded.
+    to say why a plugin it would need was not loaded. It also checks each
+    hook implementation as a plugin registers (see [Note: one bad hook]) and
+    shows each :class:`PluginWarning` once (see :meth:`warn`).
     """
 
-    def __init__(self, *, trace_calls: bool = False) -> None:
+    def __init__(
+        self, *, trace_calls: bool = False, environ: Mapping[str, str] | None = None
+    ) -> None:
         super().__init__(PROJECT_NAME)
         self.trace_calls = trace_calls
+        self._environ: Mapping[str, str] = os.environ if environ is None else environ
         self._origins: dict[str, PluginOrigin] = {}
         self._not_loaded: list[tuple[PluginOrigin, str]] = []
+        self._warned: set[str] = set()
+        # (hook, problem; None: a hook shard does not define), while a plugin registers
+        self._rejected: list[tuple[str, str | None]] | None = None
+        self._rejection: dict[str, str] = {}  # plugin name -> why none of its hooks was kept
 
     def origin(self, name: str) -> PluginOrigin | None:
         """Where the plugin registered as ``name`` came from (``None``: not an entry point)."""
@@ -135,10 +145,133 @@ class ShardPluginManager(pluggy.PluginManager):
         """Record an entry point that was found but not registered, and why."""
         self._not_loaded.append((origin, reason))
 
+    def warn(self, message: str) -> None:
+        """Show ``message`` as a :class:`PluginWarning`, unless this manager showed it already.
+
+        See [Note: where plugin warnings show] in ``_report.py``: once per
+        process (the process has one manager), on local rank 0 of each host,
+        at the first caller outside shard.
+        """
+        if message in self._warned:
+            return
+        self._warned.add(message)
+        _report.emit(message, self._environ)
+
+    # - registering, one hook at a time (see [Note: one bad hook])
+
+    def register(
+        self, plugin: object, name: str | None = None, *, origin: PluginOrigin | None = None
+    ) -> str | None:
+        """Register ``plugin`` with its valid hooks; skip, and report, each invalid one.
+
+        ``origin`` (an entry point's) is recorded when the plugin is kept.
+        Returns the plugin's name, or ``None`` when no hook of it was valid
+        (then it is not registered, and :meth:`rejection` says why).
+
+        Raises:
+            ValueError: the name or the plugin is registered already (pluggy).
+            pluggy.PluginValidationError: a hook pluggy refuses for another
+                reason (a hook wrapper that is not a generator...).
+        """
+        self._rejected = []
+        try:
+            registered = super().register(plugin, name)
+        finally:
+            rejected, self._rejected = self._rejected, None
+        if registered is None:
+            return None
+        if origin is not None:
+            self.note_loaded(origin)
+        if not rejected:
+            return registered
+        problems = _problems(rejected)
+        who = describe_plugin(self, registered)
+        kept = sorted({caller.name for caller in self.get_hookcallers(plugin) or ()})
+        if kept:
+            skipped = sorted({hook for hook, _ in rejected})
+            these = f"the hook {skipped[0]} was" if len(skipped) == 1 else "those hooks were"
+            self.warn(
+                f"{who} {problems}; {these} skipped, its other hooks are used "
+                f"({', '.join(kept)}). {_fix(self.origin(registered))}"
+            )
+            return registered
+        self.unregister(plugin)
+        self._origins.pop(registered, None)
+        self._rejection[registered] = problems
+        self.warn(f"{who} {problems}; it was skipped. {_fix(origin)}")
+        return None
+
+    def rejection(self, name: str) -> str | None:
+        """Why the plugin offered as ``name`` was not registered (none of its hooks was valid)."""
+        return self._rejection.get(name)
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None or self._rejected is None:
+            return opts
+        hook_name = opts.get("specname") or name
+        caller: pluggy.HookCaller | None = getattr(self.hook, hook_name, None)
+        if caller is None or caller.spec is None:
+            if opts.get("optionalhook"):
+                return opts
+            self._rejected.append((hook_name, None))
+            return None
+        problem = _signature_problem(caller, getattr(plugin, name, None))
+        if problem is not None:
+            self._rejected.append((hook_name, problem))
+            return None
+        return opts
+
+
+# [Note: one bad hook]
+# pluggy refuses a whole plugin when one of its hooks is invalid, which would
+# throw away its valid hooks too. So the manager checks each implementation
+# as pluggy parses it, skips only the bad ones and lists every problem in one
+# warning: a hook shard does not define (unless marked optionalhook, for a
+# newer shard), and a hook asking for arguments its specification does not
+# pass. A plugin none of whose hooks is valid is not registered at all.
+
+
+def _signature_problem(caller: pluggy.HookCaller, function: object) -> str | None:
+    """What is wrong with ``function``'s arguments as an implementation of ``caller``'s hook."""
+    spec = caller.spec
+    assert spec is not None
+    try:
+        parameters = inspect.signature(function).parameters.values()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None  # pluggy decides
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in parameters if p.kind in positional and p.default is p.empty]
+    passed = (*spec.argnames, *spec.kwargnames)
+    extra = [n for n in required if n not in passed]
+    if not extra:
+        return None
+    return (
+        f"implements {spec.name}({', '.join(required)}), but shard calls "
+        f"{spec.name}({', '.join(passed)}) and cannot pass {', '.join(extra)}"
+    )
+
+
+def _problems(rejected: list[tuple[str, str | None]]) -> str:
+    """One plugin's problems as one clause: ``implements ...; it also implements ...``."""
+    unknown = sorted(hook for hook, problem in rejected if problem is None)
+    clauses = [problem for _, problem in rejected if problem is not None]
+    if unknown:
+        known = ", ".join(sorted(n for n in hookspecs.__all__ if n.startswith("shard_")))
+        clauses.insert(
+            0, f"implements hooks shard does not define: {', '.join(unknown)} (known: {known})"
+        )
+    return "; it also ".join(clauses)
+
+
+def is_builtin(pm: pluggy.PluginManager, name: str) -> bool:
+    """Whether the plugin registered as ``name`` is shard-core's own."""
+    return pm.get_plugin(name) is _builtins
+
 
 def describe_plugin(pm: pluggy.PluginManager, name: str) -> str:
     """How messages name the plugin registered as ``name``: its distribution when it has one."""
-    if pm.get_plugin(name) is _builtins:
+    if is_builtin(pm, name):
         return f"shard-core {__version__} (built-in)"
     origin = pm.origin(name) if isinstance(pm, ShardPluginManager) else None
     return origin.describe() if origin is not None else f"plugin {name!r}"
@@ -158,7 +291,7 @@ def make_plugin_manager(
     trace = env.get(ENV_TRACE, "").strip().lower() in {"1", "true", "yes", "on"}
     if trace:
         _enable_trace_output()
-    pm = ShardPluginManager(trace_calls=trace)
+    pm = ShardPluginManager(trace_calls=trace, environ=env)
     pm.add_hookspecs(hookspecs)
     pm.register(_builtins, name=BUILTINS_NAME)
     if trace:
@@ -181,6 +314,9 @@ class _EntryPoint(Protocol):
 
     @property
     def dist(self) -> importlib.metadata.Distribution | None: ...
+
+    @property
+    def module(self) -> str: ...
 
     def load(self) -> Any: ...
 
@@ -255,10 +391,10 @@ def _load_entry_points(pm: ShardPluginManager, env: Mapping[str, str]) -> None:
     for switch, listed in ((ENV_DISABLE, selection.blocked), (ENV_LOAD, selection.only or ())):
         for name in sorted(listed):
             if name == BUILTINS_NAME and switch == ENV_DISABLE:
-                _warn(f"{ENV_DISABLE} names {name!r}: shard-core's built-ins are never blocked")
+                pm.warn(f"{ENV_DISABLE} names {name!r}: shard-core's built-ins are never blocked")
             elif not any(_matches(name, origin) for origin in found):
                 installed = ", ".join(sorted(o.describe() for o in found)) or "none"
-                _warn(
+                pm.warn(
                     f"{switch} names {name!r}, but no installed shard plugin has that "
                     f"entry-point or distribution name; installed: {installed}"
                 )
@@ -271,27 +407,16 @@ def _load_one(pm: ShardPluginManager, entry_point: _EntryPoint, origin: PluginOr
         plugin = entry_point.load()
     except Exception as exc:
         reason = f"failed to load: {type(exc).__name__}: {exc}"
-        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
+        pm.warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
         return reason
     try:
-        pm.register(plugin, name=origin.entry_point)
-    except Exception as exc:  # pluggy: name taken, object registered twice, bad hook signature
+        registered = pm.register(plugin, name=origin.entry_point, origin=origin)
+    except Exception as exc:  # pluggy: name taken, object registered twice, a hook it refuses
         reason = f"could not be registered: {type(exc).__name__}: {exc}"
-        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
+        pm.warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
         return reason
-    unknown = sorted(
-        caller.name
-        for caller in pm.get_hookcallers(plugin) or ()
-        if not caller.has_spec()
-        and any(impl.plugin is plugin and not impl.optionalhook for impl in caller.get_hookimpls())
-    )
-    if unknown:
-        pm.unregister(plugin)
-        known = ", ".join(sorted(n for n in hookspecs.__all__ if n.startswith("shard_")))
-        reason = f"implements hooks shard does not define: {', '.join(unknown)} (known: {known})"
-        _warn(f"{who} {reason}; it was skipped. {_fix(origin)}")
-        return reason
-    pm.note_loaded(origin)
+    if registered is None:  # no valid hook; register() warned
+        return pm.rejection(origin.entry_point) or "no valid hook"
     if entry_point.dist is not None:
         pm.note_distribution(plugin, entry_point.dist)
     if pm.trace_calls:
@@ -299,16 +424,14 @@ def _load_one(pm: ShardPluginManager, entry_point: _EntryPoint, origin: PluginOr
     return None
 
 
-def _fix(origin: PluginOrigin) -> str:
+def _fix(origin: PluginOrigin | None) -> str:
+    if origin is None:
+        return "Fix the plugin."
     owner = origin.distribution or "the plugin"
     return (
         f"Fix or uninstall {owner}, or block it with {ENV_DISABLE}={origin.entry_point} "
         f"to silence this warning."
     )
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, PluginWarning, stacklevel=3)
 
 
 def _enable_trace_output() -> None:

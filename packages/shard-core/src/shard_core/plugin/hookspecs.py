@@ -6,7 +6,7 @@ implementations register through these same hooks.
 
 Shard code never calls ``pm.hook.<name>``: :class:`shard_core.plugin.Registry`
 calls each plugin's implementation on its own, so that an implementation
-that raises or answers something malformed is skipped with a
+that raises is skipped, and a malformed entry of its answer dropped, with a
 ``PluginWarning`` naming its distribution. Hook wrappers
 (``wrapper=True``/``hookwrapper=True``) are therefore not supported on these
 hooks.
@@ -50,7 +50,8 @@ def shard_wrap_policies() -> Mapping[str, Callable[..., WrapPolicy]]:
     Each factory takes keyword options (``min_num_params=...``) and builds a
     :class:`~shard_core.protocols.WrapPolicy`. The runtime looks policies up
     by name, so ``auto_wrap_policy="transformer"`` works. Names are unique
-    across all plugins; a second plugin claiming a name is an error.
+    across all plugins: a name two plugins claim is disabled (looking it up
+    raises ``PluginCollisionError``), and a built-in name stays the built-in's.
     """
     raise NotImplementedError
 
@@ -61,7 +62,7 @@ def shard_comm_hooks() -> Mapping[str, CommHook]:
 
     Code selects one by name with ``Registry.comm_hook("bf16_compress")``
     (``shard_comms.resolve_comm_hook`` for users). Names are unique across
-    all plugins.
+    all plugins, as for :func:`shard_wrap_policies`.
     """
     raise NotImplementedError
 
