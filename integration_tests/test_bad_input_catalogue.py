@@ -91,31 +91,37 @@ test covers the same input, that test's file:
     ValueError [wrapper_hybrid_plain_group]
 37. a wrap policy asked for by a name nobody registered
     UnknownPluginNameError [unknown_wrap_policy], also shard-core/tests/test_registry.py
-38. DataParallelMeshDims with neither axis
+38. a registered wrap policy given an option it does not take
+    WrapPlanError [wrong_policy_options], also shard-core/tests/test_registry.py
+39. a wrap policy whose wrap() raises
+    PluginCallError[KeyError] [policy_raises], also shard-core/tests/test_plugin_call_errors.py
+40. a comm hook that raises (FullyShardedDataParallel.register_comm_hook)
+    PluginCallError[KeyError] [comm_hook_raises], also shard-comms/tests/test_comm_hooks.py
+41. DataParallelMeshDims with neither axis
     ValueError [empty_mesh_dims]
-39. load of a checkpoint from a different model (other names)
+42. load of a checkpoint from a different model (other names)
     CheckpointError [load_other_model], also shard-checkpoint/tests/test_storage.py
-40. load of a checkpoint from a different model (other shapes)
+43. load of a checkpoint from a different model (other shapes)
     CheckpointError [load_other_shapes], also shard-checkpoint/tests/test_storage.py
-41. a truncated checkpoint data file
+44. a truncated checkpoint data file
     CheckpointError [truncated_data_file], also shard-checkpoint/tests/test_storage.py
-42. a corrupted (cut) .metadata file
+45. a corrupted (cut) .metadata file
     CheckpointError [corrupt_metadata]
-43. a corrupted checkpoint data file (overwritten bytes)
+46. a corrupted checkpoint data file (overwritten bytes)
     CheckpointError [corrupt_data_file]
-44. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
+47. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
     CheckpointError [unwritable_directory]
-45. a checkpoint path under a file
+48. a checkpoint path under a file
     CheckpointError [parent_not_a_directory]
-46. a full disk (ENOSPC) while saving; the previous checkpoint loads
+49. a full disk (ENOSPC) while saving; the previous checkpoint loads
     CheckpointError [disk_full], also shard-checkpoint/tests/test_failures.py
-47. a checkpoint_id that is a file
+50. a checkpoint_id that is a file
     CheckpointError [checkpoint_id_is_a_file], also shard-checkpoint/tests/test_storage.py
-48. a checkpoint_id that is a directory of other files
+51. a checkpoint_id that is a directory of other files
     CheckpointError [directory_not_a_checkpoint], also shard-checkpoint/tests/test_storage.py
-49. load from a path with no checkpoint
+52. load from a path with no checkpoint
     CheckpointError [load_missing], also shard-checkpoint/tests/test_storage.py
-50. load of a checkpoint a failed save left incomplete
+53. load of a checkpoint a failed save left incomplete
     CheckpointError [load_incomplete], also shard-checkpoint/tests/test_storage.py
 .. catalogue-end
 """
@@ -145,12 +151,15 @@ from torch.futures import Future
 
 from shard_checkpoint import CheckpointError, load, save
 from shard_comms import build_mesh
+from shard_core import plan_wraps
 from shard_core.errors import (
     LayoutError,
     MeshError,
     ModelMismatchError,
     OptimizerStepError,
+    PluginCallError,
     UnknownPluginNameError,
+    WrapPlanError,
 )
 from shard_core.plugin import get_registry
 from shard_runtime import (
@@ -454,6 +463,16 @@ def _wrapper_hybrid_plain_group() -> None:
     )
 
 
+def _raising_comm_hook(reducer: object, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+    raise KeyError("oops in hook")
+
+
+def _comm_hook_raises() -> None:
+    model = FullyShardedDataParallel(_blocks([4, 4]), device_mesh=_mesh())
+    model.register_comm_hook(_raising_comm_hook)
+    model(torch.ones(2, 4)).sum().backward()
+
+
 RANK_SCENARIOS: dict[str, Callable[[], None]] = {
     "shapes_differ": _shapes_differ,
     "names_differ": _names_differ,
@@ -486,6 +505,7 @@ RANK_SCENARIOS: dict[str, Callable[[], None]] = {
     "wrapper_over_fully_shard": _wrapper_over_fully_shard,
     "wrapper_group_and_mesh": _wrapper_group_and_mesh,
     "wrapper_hybrid_plain_group": _wrapper_hybrid_plain_group,
+    "comm_hook_raises": _comm_hook_raises,
 }
 
 
@@ -661,6 +681,27 @@ def _unknown_wrap_policy(tmp: Path) -> None:
     get_registry().wrap_policy("module_clas")
 
 
+def _wrong_policy_options(tmp: Path) -> None:
+    get_registry().wrap_policy("size", min_params=10)
+
+
+class _RaisingPolicy:
+    def descend(self, module: nn.Module, name: str) -> bool:
+        return True
+
+    def wrap(self, module: nn.Module, name: str, unwrapped_numel: int) -> bool:
+        if name == "1":
+            raise KeyError("oops in wrap")
+        return False
+
+    def __repr__(self) -> str:
+        return "_RaisingPolicy()"
+
+
+def _policy_raises_in_wrap(tmp: Path) -> None:
+    plan_wraps(_blocks([4, 4, 4]), _RaisingPolicy())
+
+
 def _empty_mesh_dims(tmp: Path) -> None:
     DataParallelMeshDims()
 
@@ -690,6 +731,8 @@ LOCAL_SCENARIOS: dict[str, Callable[[Path], None]] = {
     "load_incomplete": _load_incomplete,
     "integer_param_dtype": _integer_param_dtype,
     "unknown_wrap_policy": _unknown_wrap_policy,
+    "wrong_policy_options": _wrong_policy_options,
+    "policy_raises": _policy_raises_in_wrap,
     "empty_mesh_dims": _empty_mesh_dims,
     "fully_shard_without_init": _fully_shard_without_init,
     "wrapper_without_init": _wrapper_without_init,
@@ -994,6 +1037,32 @@ CATALOGUE: list[Kind] = [
         ("Did you mean 'module_class'?",),
         "shard-core/tests/test_registry.py",
         where="local",
+    ),
+    Kind(
+        "wrong_policy_options",
+        "a registered wrap policy given an option it does not take",
+        WrapPlanError,
+        ("wrap policy 'size' does not take the options {'min_params': 10}",),
+        ("its options are: min_num_params=100000000",),
+        "shard-core/tests/test_registry.py",
+        where="local",
+    ),
+    Kind(
+        "policy_raises",
+        "a wrap policy whose wrap() raises",
+        type(PluginCallError.wrapping(KeyError(), "")),
+        ("wrap policy _RaisingPolicy() raised KeyError", "for module '1' (Linear)"),
+        ("It was raised in your code", "test_bad_input_catalogue.py:"),
+        "shard-core/tests/test_plugin_call_errors.py",
+        where="local",
+    ),
+    Kind(
+        "comm_hook_raises",
+        "a comm hook that raises (FullyShardedDataParallel.register_comm_hook)",
+        type(PluginCallError.wrapping(KeyError(), "")),
+        ("_raising_comm_hook raised KeyError: 'oops in hook' for unit 'Sequential'",),
+        ("It was raised in your code",),
+        "shard-comms/tests/test_comm_hooks.py",
     ),
     Kind(
         "empty_mesh_dims",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import shard_comms as sc
 from shard_comms import _hooks, plumbing
 from shard_core import Registry, hookimpl, make_plugin_manager
-from shard_core.errors import CommError, UnknownPluginNameError
+from shard_core.errors import CommError, PluginCallError, UnknownPluginNameError
 from shard_core.protocols import CommHook, GradReducer
 
 
@@ -241,3 +241,43 @@ def test_a_hook_that_is_not_callable_is_rejected() -> None:
     """Something neither a name nor a callable is a TypeError that says what to pass."""
     with pytest.raises(TypeError, match=re.escape("comm hook 3 is neither a registered hook")):
         sc.resolve_comm_hook(3)  # type: ignore[arg-type]
+
+
+def _raising_hook(reducer: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+    raise KeyError("oops in hook")
+
+
+def test_a_hook_that_raises_is_named_with_its_unit() -> None:
+    """An exception inside a comm hook names the hook, the unit and whose code raised it, and is
+    still the exception's own category (``except KeyError`` catches it)."""
+
+    class _Two:
+        world_size = 2
+
+    with pytest.raises(PluginCallError) as caught:
+        sc.reduce_gradient(
+            torch.zeros(4),
+            torch.zeros(2),
+            _Two(),  # type: ignore[arg-type]
+            _raising_hook,
+            unit="layers.3",
+        )
+    assert isinstance(caught.value, KeyError)
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert str(caught.value).startswith(
+        f"comm hook {__name__}._raising_hook raised KeyError: 'oops in hook' for unit 'layers.3'."
+    )
+
+
+def _failing_shard_hook(reducer: Any, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+    raise CommError("already names its culprit")
+
+
+def test_a_shard_error_from_a_hook_passes_through() -> None:
+    """A ShardError raised in a hook is not wrapped: it already says what is wrong."""
+
+    class _Two:
+        world_size = 2
+
+    with pytest.raises(CommError, match=r"^already names its culprit$"):
+        sc.reduce_gradient(torch.zeros(4), torch.zeros(2), _Two(), _failing_shard_hook)  # type: ignore[arg-type]

@@ -42,7 +42,8 @@ from shard_comms._collectives import (
 )
 from shard_comms._custom import CustomReduceScatter, custom_reduce_scatter
 from shard_core import get_registry
-from shard_core.errors import CommError
+from shard_core.errors import CommError, ShardError
+from shard_core.plugin import plugin_call_error
 from shard_core.protocols import CommHook, GradReducer
 
 __all__ = ["DefaultGradReducer", "default_comm_hook", "reduce_gradient", "resolve_comm_hook"]
@@ -267,12 +268,16 @@ def reduce_gradient(
     output: torch.Tensor | None,
     reducer: GradReducer,
     hook: CommHook | None = None,
+    *,
+    unit: str = "",
 ) -> None:
     """Reduce one unit's flat gradient: through ``hook`` when given, else ``reducer``.
 
     ``output`` (sharded units) has ``grad.numel() // reducer.world_size``
     elements and receives this rank's reduced slice; with ``None`` ``grad``
-    is all-reduced in place.
+    is all-reduced in place. An exception the hook raises (other than a
+    ``ShardError``) becomes a ``PluginCallError`` naming the hook, ``unit``
+    (the unit's name, for the message) and whose code raised.
     """
     if output is not None and grad.numel() != output.numel() * reducer.world_size:
         raise CommError(
@@ -283,5 +288,17 @@ def reduce_gradient(
         )
     if hook is None:
         reducer.reduce(grad, output)
-    else:
+        return
+    try:
         hook(reducer, grad, output)
+    except ShardError:
+        raise
+    except Exception as exc:
+        where = f" for unit {unit!r}" if unit else ""
+        raise plugin_call_error(exc, f"comm hook {_hook_name(hook)}", where) from exc
+
+
+def _hook_name(hook: CommHook) -> str:
+    """A hook as a message names it: its qualified name, else its repr."""
+    name = getattr(hook, "__qualname__", None)
+    return f"{getattr(hook, '__module__', '?')}.{name}" if isinstance(name, str) else repr(hook)

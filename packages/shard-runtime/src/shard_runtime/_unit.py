@@ -562,7 +562,7 @@ class Unit:
             else:
                 assert into is not None
                 assert hook_reducer is not None
-                reduce_gradient(full, into, hook_reducer, hook)
+                reduce_gradient(full, into, hook_reducer, hook, unit=self.comm_label)
                 output, work = into, CommHandle(None, None)
             event = stream.record_event()
         return work, output, event, presence, full
