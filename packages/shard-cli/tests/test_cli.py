@@ -93,6 +93,23 @@ def test_plan_shows_both_layouts_and_flat_columns(capsys: pytest.CaptureFixture[
     assert "  ratio to ideal                     1.1581x       1.0002x       1.0000x" in out
 
 
+def test_plan_passes_wrap_options_to_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    """--wrap-option KEY=VALUE reaches a registered policy (VALUE read as JSON) and is shown."""
+    args = ["plan", "--preset", "small", "--world-size", "4", "--wrap-policy", "size"]
+    assert main([*args, "--wrap-option", "min_num_params=100000", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["wrap_options"] == {"min_num_params": 100000}
+    assert [u["name"] for u in report["units"]] == [
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+        "blocks.2.mlp",
+        "",
+    ]
+    assert main([*args, "--wrap-option", "min_num_params=100000"]) == 0
+    out = capsys.readouterr().out
+    assert "; wrap policy size(min_num_params=100000); world size 4" in out
+
+
 def test_plan_of_a_factory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -136,6 +153,19 @@ def test_plan_of_a_local_transformers_config(
         ),
         (["train", "--steps", "0"], "--steps must be at least 1, got 0"),
         (["train", "--wrap-policy", "bogus"], "--wrap-policy 'bogus' is not a registered"),
+        (
+            ["plan", "--wrap-policy", "size", "--wrap-option", "min_params=1"],
+            "wrap policy 'size' does not take the options {'min_params': 1}: got an unexpected "
+            "keyword argument 'min_params'; its options are: min_num_params=100000000",
+        ),
+        (
+            ["plan", "--wrap-policy", "blocks", "--wrap-option", "x=1"],
+            "--wrap-policy blocks takes no options, got --wrap-option x",
+        ),
+        (
+            ["plan", "--wrap-policy", "size", "--wrap-option", "min_num_params"],
+            "--wrap-option 'min_num_params': write KEY=VALUE, e.g. min_num_params=1000000",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(

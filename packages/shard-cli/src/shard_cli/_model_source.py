@@ -92,12 +92,19 @@ def _hf_logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
+def parse_key_values(
+    items: Sequence[str], *, flag: str = "--hf-arg", example: str = "n_layer=4"
+) -> dict[str, Any]:
+    """``KEY=VALUE`` strings as keyword arguments; a VALUE that is JSON is read as JSON.
+
+    ``n_layer=4`` gives ``4``, ``bias=false`` ``False``, ``pattern=layers\\.\\d+``
+    the string.
+    """
     kwargs: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--hf-arg {item!r}: write KEY=VALUE, e.g. n_layer=4")
+            raise ValueError(f"{flag} {item!r}: write KEY=VALUE, e.g. {example}")
         try:
             kwargs[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -127,7 +134,7 @@ def load_model_source(
     if model:
         return _factory_source(model)
     if hf_config:
-        return _hf_source(hf_config, _parse_kwargs(hf_args))
+        return _hf_source(hf_config, parse_key_values(hf_args))
     spec = get_preset(preset or "small")
     vocab = spec.vocab_size
     if vocab is None:

@@ -84,7 +84,7 @@ from shard_cli._activations import ActivationProfile
 from shard_cli._options import Frontend, Precision, Strategy
 from shard_cli._strategy import ShardLayout, shard_layout
 from shard_core import FlatLayout, ParamSpec, dim0_chunk_range, padded_dim0_size
-from shard_core.protocols import WrapPolicy
+from shard_runtime import WrapPolicyLike
 from shard_runtime.plumbing import is_flat_layout, plan_units, resolve_wrap_policy
 
 __all__ = [
@@ -134,7 +134,7 @@ class UnitPlan:
         return 0 if not self.name else self.name.count(".") + 1
 
 
-def plan_model_units(model: nn.Module, policy: WrapPolicy | str | None) -> list[UnitPlan]:
+def plan_model_units(model: nn.Module, policy: WrapPolicyLike) -> list[UnitPlan]:
     """The units ``policy`` makes of ``model`` (any device, meta included), root last.
 
     ``policy`` is anything the runtime accepts (a ``WrapPolicy``, a registered

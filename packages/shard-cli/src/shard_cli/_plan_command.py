@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -23,7 +23,7 @@ from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks
 from shard_cli._finetune import Finetuning, add_finetuning_flags, finetuned_source
 from shard_cli._format import format_bytes
-from shard_cli._model_source import ModelSource, load_model_source
+from shard_cli._model_source import ModelSource, load_model_source, parse_key_values
 from shard_cli._options import (
     FRONTENDS,
     PRECISIONS,
@@ -120,6 +120,7 @@ def plan_report(
     cpu_offload: bool,
     wrap_policy: str,
     shard_size: int | None,
+    wrap_options: Mapping[str, Any] | None = None,
     batch: int | None,
     seq: int | None,
     rank: int,
@@ -134,7 +135,7 @@ def plan_report(
     policy_name = source.default_policy if wrap_policy == "auto" else wrap_policy
     with torch.device("meta"):
         model = source.build()
-    units = plan_model_units(model, resolve_policy(policy_name))
+    units = plan_model_units(model, resolve_policy(policy_name, wrap_options or {}))
     checkpointed = checkpointed_blocks(model, source) if activation_checkpointing else []
     batch = batch or source.batch
     seq = seq or source.seq
@@ -197,6 +198,7 @@ def plan_report(
         "parameters": sum(u.numel for u in units),
         "trainable": sum(p.numel for u in units for p in u.trainable),
         "wrap_policy": policy_name,
+        "wrap_options": dict(wrap_options or {}),
         "frontend": frontend,
         "precision": precision,
         "cpu_offload": cpu_offload,
@@ -286,6 +288,11 @@ def _trainable(report: dict[str, Any]) -> str:
     return f" ({trainable:,} of {total:,} train, {trainable / total:.2%})"
 
 
+def _options(options: Mapping[str, Any]) -> str:
+    """``(min_num_params=1000000)`` for a policy's options; nothing without any."""
+    return f"({', '.join(f'{k}={v!r}' for k, v in options.items())})" if options else ""
+
+
 def format_plan(report: dict[str, Any]) -> list[str]:
     """The lines ``shard plan`` prints for a report of :func:`plan_report`."""
     r = report
@@ -293,7 +300,8 @@ def format_plan(report: dict[str, Any]) -> list[str]:
         f"shard plan: {r['model']}",
         f"  {r['parameters'] / 1e6:.2f} M parameters{_trainable(r)}; {r['frontend']}, "
         f"{r['precision']}"
-        f"{', cpu offload' if r['cpu_offload'] else ''}; wrap policy {r['wrap_policy']}; "
+        f"{', cpu offload' if r['cpu_offload'] else ''}; wrap policy {r['wrap_policy']}"
+        f"{_options(r.get('wrap_options', {}))}; "
         f"world size {r['world_size']}",
         "",
         f"units ({len(r['units'])}, children before the root in the order they shard):",
@@ -389,6 +397,15 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="auto (default: blocks for presets, else transformer), blocks, none, or a "
         "registered policy name",
     )
+    p.add_argument(
+        "--wrap-option",
+        dest="wrap_options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of a registered --wrap-policy (repeatable; VALUE read as JSON when it "
+        "is), e.g. --wrap-policy size --wrap-option min_num_params=1000000",
+    )
     add_finetuning_flags(p, alpha=False)
     p.add_argument("--batch", type=int, help="sequences per rank for the activation estimate")
     p.add_argument("--seq", type=int, help="sequence length for the activation estimate")
@@ -441,6 +458,9 @@ def run_plan(args: argparse.Namespace) -> int:
             precision=args.precision,
             cpu_offload=args.cpu_offload,
             wrap_policy=args.wrap_policy,
+            wrap_options=parse_key_values(
+                args.wrap_options, flag="--wrap-option", example="min_num_params=1000000"
+            ),
             shard_size=args.shard_size,
             batch=args.batch,
             seq=args.seq,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from shard_cli._options import Frontend, Precision, Strategy
 from shard_cli.gpt import Block
 from shard_comms import build_mesh
-from shard_core.protocols import WrapPolicy
 from shard_runtime import (
     CPUOffload,
     CPUOffloadPolicy,
@@ -40,6 +40,7 @@ from shard_runtime import (
     ModuleWrapPolicy,
     OffloadPolicy,
     ShardingStrategy,
+    WrapPolicyLike,
     apply_wrap_policy,
 )
 
@@ -105,18 +106,24 @@ def compute_dtype(precision: Precision) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def resolve_policy(name: str) -> WrapPolicy | str | None:
-    """The wrap policy ``--wrap-policy name`` means for the GPT model.
+def resolve_policy(name: str, options: Mapping[str, Any] | None = None) -> WrapPolicyLike:
+    """The wrap policy ``--wrap-policy name`` (with ``--wrap-option``\\ s) means.
 
     ``blocks``: each :class:`~shard_cli.gpt.Block` is a unit; ``none``: the
     root is the only unit; anything else is a policy name for the plugin
-    registry (``transformer``, ``size``), resolved by the runtime.
+    registry (``transformer``, ``size``), resolved by the runtime, with
+    ``options`` as its keyword options (``(name, options)``, the runtime's
+    form). ``blocks`` and ``none`` take no options.
     """
-    if name == "blocks":
-        return ModuleWrapPolicy({Block})
-    if name == "none":
-        return None
-    return name
+    if name in ("blocks", "none"):
+        if options:
+            raise ValueError(
+                f"--wrap-policy {name} takes no options, got --wrap-option "
+                f"{', '.join(sorted(options))}; options belong to a registered policy "
+                "(--wrap-policy size --wrap-option min_num_params=1000000)"
+            )
+        return ModuleWrapPolicy({Block}) if name == "blocks" else None
+    return (name, dict(options)) if options else name
 
 
 def _mesh(strategy: Strategy, layout: ShardLayout, device_type: str) -> DeviceMesh:
@@ -133,7 +140,7 @@ def shard_model(
     layout: ShardLayout,
     precision: Precision,
     cpu_offload: bool,
-    policy: WrapPolicy | str | None,
+    policy: WrapPolicyLike,
     device: torch.device,
     use_orig_params: bool = False,
 ) -> tuple[nn.Module, DeviceMesh]:
