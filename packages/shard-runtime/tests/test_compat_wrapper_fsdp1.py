@@ -176,10 +176,18 @@ def _training(impl: Impl, case: str) -> list[Any]:
         kwargs.update(limit_all_gathers=False, forward_prefetch=True)
     elif case == "backward_post":
         kwargs.update(backward_prefetch=ns.BackwardPrefetch.BACKWARD_POST)
+    elif case == "offload_no_sync" and impl == "shard":
+        # PyTorch cannot offload on a CPU-only host (test_cpu_offload_without_an_accelerator);
+        # offloading must not change a value, so shard offloaded meets PyTorch not offloaded.
+        kwargs["cpu_offload"] = ns.CPUOffload(offload_params=True)
     model = _nested(impl, **kwargs)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     out: list[Any] = []
     for step in range(2):
+        if case == "offload_no_sync":  # a micro-batch accumulated without communication
+            with model.no_sync():
+                model(_input(step + 5)).sum().backward()
+            out.append(sorted({str(p.device) for p in model.parameters()}))
         model(_input(step)).sum().backward()
         out.append(_grad_sums(model))
         optim.step()
@@ -293,14 +301,17 @@ def test_keep_low_precision_grads_clip_like_pytorch(
         assert norm_dtype == f"torch.{dtype}"
 
 
-@pytest.mark.parametrize("case", ["hybrid_zero2", "no_limit_forward_prefetch", "backward_post"])
+@pytest.mark.parametrize(
+    "case", ["hybrid_zero2", "no_limit_forward_prefetch", "backward_post", "offload_no_sync"]
+)
 def test_training_matches_pytorch(rank_pool: RankPool, case: str) -> None:
     """_HYBRID_SHARD_ZERO2 on a (1, 2) mesh, limit_all_gathers=False with forward_prefetch,
-    and BACKWARD_POST train nested wrappers to PyTorch's gradients and parameters exactly."""
+    BACKWARD_POST, and no_sync accumulation with CPU offload (shard's; PyTorch's run keeps its
+    parameters) train nested wrappers to PyTorch's gradients and parameters exactly."""
     theirs = rank_pool.run(_training, 2, "torch", case)
     ours = rank_pool.run(_training, 2, "shard", case)
     assert ours == theirs
-    assert theirs[0][0] != theirs[1][0]  # the ranks saw different data
+    assert theirs[0] != theirs[1]  # the ranks saw different data
 
 
 class _Done:
@@ -357,3 +368,33 @@ def test_explicit_group_without_a_default_group() -> None:
     assert ours == theirs
     assert theirs["types"] == ["Linear", "Linear", "FullyShardedDataParallel"]
     assert theirs["attributes"] == (0, 1, True)
+
+
+def _cpu_offload_forward(impl: Impl) -> tuple[str, Any]:
+    ns = fsdp_namespace(impl)
+    model = _nested(impl, cpu_offload=ns.CPUOffload(offload_params=True))
+    return _outcome(lambda: tuple(model(_input()).shape))
+
+
+def test_cpu_offload_without_an_accelerator(rank_pool: RankPool) -> None:
+    """CPUOffload(offload_params=True) on a CPU-only host: PyTorch's first forward fails to
+    reach an accelerator, shard's runs (a deliberate difference, in the compatibility table)."""
+    theirs = rank_pool.run(_cpu_offload_forward, 2, "torch")
+    ours = rank_pool.run(_cpu_offload_forward, 2, "shard")
+    assert [kind for kind, _ in theirs] == ["RuntimeError"] * 2
+    assert ours == [("ok", (4, 8))] * 2
+
+
+def _without_device_id(impl: Impl) -> tuple[str, Any]:
+    fsdp = fsdp_namespace(impl).FullyShardedDataParallel
+    return _outcome(lambda: type(fsdp(nn.Linear(2, 2), process_group=_StandInGroup())).__name__)
+
+
+def test_cpu_without_device_id() -> None:
+    """On a CPU-only host without device_id, PyTorch's wrapper refuses and shard's wraps (a
+    deliberate difference, in the compatibility table)."""
+    assert _without_device_id("torch") == (
+        "RuntimeError",
+        "FSDP needs a non-CPU accelerator device, but no accelerator device is detected.",
+    )
+    assert _without_device_id("shard") == ("ok", "FullyShardedDataParallel")
