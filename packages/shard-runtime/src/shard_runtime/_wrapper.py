@@ -823,7 +823,8 @@ def _check_frozen_mix(
     if not use_orig_params:
         raise ValueError(
             f"FullyShardedDataParallel({name}): one flat parameter cannot mix frozen and "
-            f"trainable parameters with use_orig_params=False; frozen: {', '.join(frozen)}; "
+            f"trainable parameters with use_orig_params=False ({name} has both parameters with "
+            f"requires_grad=True and False); frozen: {', '.join(frozen)}; "
             f"trainable: {', '.join(trainable)}. Wrap them in separate units (an "
             "auto_wrap_policy), or pass use_orig_params=True"
         )
