@@ -417,7 +417,7 @@ def test_unimportable_shard_module_makes_every_name_missing() -> None:
 
 def sample_rows() -> list[Any]:
     return [
-        ct.Row("fsdp.a", "shard_runtime.a", ct.Status.SAME, ""),
+        ct.Row("fsdp.a", "shard_runtime.a", ct.Status.SAME, "", "Accepts the CPU."),
         ct.Row("fsdp.b", "shard_runtime.b", ct.Status.DOCUMENTED, "Takes a | b,\n  shorter."),
         ct.Row("fsdp.c", None, ct.Status.NOT_APPLICABLE, "CUDA only."),
         ct.Row("fsdp.d", None, ct.Status.MISSING, "shard_runtime.d does not exist"),
@@ -426,18 +426,19 @@ def sample_rows() -> list[Any]:
 
 
 def test_render_prints_the_summary_line_then_the_table() -> None:
-    """The block is a summary line, a blank line and a Markdown table with escaped cells."""
+    """The block is a summary line, a blank line and a Markdown table with escaped cells; the
+    behaviour column is empty where shard behaves as PyTorch."""
     assert ct.render(sample_rows()) == (
         "1 of 5 PyTorch FSDP public names same, 1 documented differences, 1 not applicable, "
         "1 undocumented differences, 1 MISSING.\n"
         "\n"
-        "| PyTorch (`torch.distributed.`) | shard | status | note |\n"
-        "|---|---|---|---|\n"
-        "| `fsdp.a` | `shard_runtime.a` | same |  |\n"
-        "| `fsdp.b` | `shard_runtime.b` | documented difference | Takes a \\| b, shorter. |\n"
-        "| `fsdp.c` | - | not applicable | CUDA only. |\n"
-        "| `fsdp.d` | - | MISSING | shard_runtime.d does not exist |\n"
-        "| `fsdp.e` | `shard_runtime.e` | UNDOCUMENTED difference | shard lacks parameter x |\n"
+        "| PyTorch (`torch.distributed.`) | shard | status | note | behaviour |\n"
+        "|---|---|---|---|---|\n"
+        "| `fsdp.a` | `shard_runtime.a` | same |  | Accepts the CPU. |\n"
+        "| `fsdp.b` | `shard_runtime.b` | documented difference | Takes a \\| b, shorter. |  |\n"
+        "| `fsdp.c` | - | not applicable | CUDA only. |  |\n"
+        "| `fsdp.d` | - | MISSING | shard_runtime.d does not exist |  |\n"
+        "| `fsdp.e` | `shard_runtime.e` | UNDOCUMENTED difference | shard lacks parameter x |  |\n"
     )
 
 
@@ -482,13 +483,27 @@ def test_stale_and_unused_entries_are_found() -> None:
     ]
 
 
-def test_load_notes_reads_both_tables(tmp_path: Path) -> None:
-    """The data file's [differences] and [not_applicable] tables become the Notes mappings."""
+def test_load_notes_reads_the_three_tables(tmp_path: Path) -> None:
+    """The data file's [differences], [not_applicable] and optional [behaviour] tables become
+    the Notes mappings."""
     path = tmp_path / "notes.toml"
     path.write_text(
         '[differences]\n"fsdp.a" = "A."\n\n[not_applicable]\n"fsdp.b" = "B."\n', encoding="utf-8"
     )
     assert ct.load_notes(path) == ct.Notes({"fsdp.a": "A."}, {"fsdp.b": "B."})
+    path.write_text('[behaviour]\n"fsdp.a" = "C."\n', encoding="utf-8")
+    assert ct.load_notes(path) == ct.Notes({}, {}, {"fsdp.a": "C."})
+
+
+def test_behaviour_notes_fill_their_column_without_changing_the_status() -> None:
+    """A [behaviour] entry lands in its row's behaviour cell; the row stays "same"."""
+
+    def same() -> None: ...
+
+    notes = ct.Notes({}, {}, {"fake.thing": "Accepts the CPU."})
+    (row,) = rows_for(same, same, notes)
+    assert (row.status.value, row.note, row.behaviour) == ("same", "", "Accepts the CPU.")
+    assert ct.stale_entries(["fake.other"], notes) == ["[behaviour] fake.thing"]
 
 
 @pytest.mark.parametrize(
@@ -536,9 +551,10 @@ def test_main_writes_then_checks_readme(
     assert ct.readme_table(readme.read_text(encoding="utf-8")) == (
         "1 of 2 PyTorch FSDP public names same, 0 documented differences, 1 not applicable, "
         "0 undocumented differences, 0 MISSING.\n\n"
-        "| PyTorch (`torch.distributed.`) | shard | status | note |\n|---|---|---|---|\n"
-        "| `fake.gone` | - | not applicable | Gone. |\n"
-        "| `fake.same` | `shard_fake.same` | same |  |\n"
+        "| PyTorch (`torch.distributed.`) | shard | status | note | behaviour |\n"
+        "|---|---|---|---|---|\n"
+        "| `fake.gone` | - | not applicable | Gone. |  |\n"
+        "| `fake.same` | `shard_fake.same` | same |  |  |\n"
     )
     capsys.readouterr()
     assert ct.main(["--check", str(readme)], **kwargs) == 0

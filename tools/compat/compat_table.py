@@ -6,15 +6,18 @@ Run with the project's environment, from the repository root::
     .venv/bin/python tools/compat/compat_table.py --write README.md  # refresh README's copy
     .venv/bin/python tools/compat/compat_table.py --check            # fail if stale or MISSING
 
-The public names are those ``/work/shared/tools/api_gap.py`` counts: the
-``__all__`` of ``torch.distributed.fsdp``, ``torch.distributed.fsdp.wrap`` and
-``torch.distributed.checkpoint.state_dict``, plus the public attributes that
-``FSDPModule`` and ``FullyShardedDataParallel`` add to ``nn.Module``. Each is
-looked up where switching puts it (``shard_runtime``, ``shard_runtime.wrap``,
-``shard_checkpoint``) and classified; see [Note: what "same" means].
-``compat_differences.toml`` beside this file says why a name differs or is
-absent. The table is generated, never edited by hand, so it cannot drift
-from the code: ``integration_tests/test_compat_table.py`` fails when it has.
+The public names are defined here, by :func:`surfaces` (the tool needs
+nothing outside this repository): the ``__all__`` of ``torch.distributed.fsdp``,
+``torch.distributed.fsdp.wrap`` and ``torch.distributed.checkpoint.state_dict``,
+plus the public attributes that ``FSDPModule`` and ``FullyShardedDataParallel``
+add to ``nn.Module``. Each is looked up where switching puts it
+(``shard_runtime``, ``shard_runtime.wrap``, ``shard_checkpoint``) and
+classified; see [Note: what "same" means]. ``compat_differences.toml`` beside
+this file says why a name differs or is absent, and, in its ``[behaviour]``
+table, where a name that looks the same behaves differently on purpose (the
+table's "behaviour" column). The table is generated, never edited by hand,
+so it cannot drift from the code: ``integration_tests/test_compat_table.py``
+fails when it has.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ END_MARKER = "<!-- compat-table:end -->"
 #   explained in the data file. A PyTorch signature of only (*args, **kwargs)
 #   (FSDPModule's __new__) names nothing, so any shard signature matches it.
 #   Underscored parameters with a default are private on either side (as
-#   api_gap treats underscored names) and are left out of the comparison.
+#   every underscored name is) and are left out of the comparison.
 # - a dataclass: the same fields in the same order, with the same defaults
 #   (a default factory is compared by what it builds) and init/keyword-only
 #   flags; underscored fields with a default are private and left out.
@@ -135,12 +138,15 @@ class Row:
         status: How the name fares.
         note: Why (documented differences and non-applicable names, from the
             data file) or what differs (undocumented differences, computed).
+        behaviour: Where shard behaves differently on purpose though the name
+            may match (the data file's ``[behaviour]`` table); empty: as PyTorch.
     """
 
     name: str
     shard: str | None
     status: Status
     note: str
+    behaviour: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +156,13 @@ class Notes:
     Attributes:
         differences: How shard's counterpart differs, for names shard has.
         not_applicable: Why shard has no counterpart, for names it lacks.
+        behaviour: Deliberate differences of behaviour (not of signature), by
+            name; they do not change a row's status.
     """
 
     differences: Mapping[str, str]
     not_applicable: Mapping[str, str]
+    behaviour: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 class _Absent:
@@ -449,8 +458,13 @@ def _describe(value: object) -> str:
 # ---------------------------------------------------------------------------
 
 
+_SECTIONS = ("differences", "not_applicable", "behaviour")
+
+
 def load_notes(path: Path = DATA_FILE) -> Notes:
-    """Read the data file: ``[differences]`` and ``[not_applicable]`` tables of name = note.
+    """Read the data file: ``[differences]``, ``[not_applicable]`` and ``[behaviour]`` tables.
+
+    Each holds name = note; ``[behaviour]`` is optional.
 
     Raises:
         ValueError: a section or a note is malformed; the message names the
@@ -458,14 +472,14 @@ def load_notes(path: Path = DATA_FILE) -> Notes:
     """
     with path.open("rb") as file:
         data = tomllib.load(file)
-    unknown = sorted(set(data) - {"differences", "not_applicable"})
+    unknown = sorted(set(data) - set(_SECTIONS))
     if unknown:
         raise ValueError(
-            f"{path}: unknown section(s) {', '.join(unknown)}; the file has two tables, "
-            f"[differences] and [not_applicable]"
+            f"{path}: unknown section(s) {', '.join(unknown)}; the file has three tables, "
+            f"[differences], [not_applicable] and [behaviour]"
         )
     sections: dict[str, dict[str, str]] = {}
-    for section in ("differences", "not_applicable"):
+    for section in _SECTIONS:
         entries = data.get(section, {})
         for name, note in entries.items():
             if not isinstance(note, str) or not note.strip():
@@ -478,7 +492,7 @@ def load_notes(path: Path = DATA_FILE) -> Notes:
         raise ValueError(
             f"{path}: {', '.join(both)} listed both as a difference and as not applicable; keep one"
         )
-    return Notes(sections["differences"], sections["not_applicable"])
+    return Notes(sections["differences"], sections["not_applicable"], sections["behaviour"])
 
 
 def classify(all_surfaces: Sequence[Surface], notes: Notes) -> list[Row]:
@@ -486,7 +500,8 @@ def classify(all_surfaces: Sequence[Surface], notes: Notes) -> list[Row]:
     rows: list[Row] = []
     for surface in all_surfaces:
         for name, shard_name, theirs, ours in _pairs(surface):
-            rows.append(_classify_one(name, shard_name, theirs, ours, notes))
+            row = _classify_one(name, shard_name, theirs, ours, notes)
+            rows.append(dataclasses.replace(row, behaviour=notes.behaviour.get(name, "")))
     return rows
 
 
@@ -522,12 +537,15 @@ def render(rows: Sequence[Row]) -> str:
     lines = [
         summary(rows),
         "",
-        "| PyTorch (`torch.distributed.`) | shard | status | note |",
-        "|---|---|---|---|",
+        "| PyTorch (`torch.distributed.`) | shard | status | note | behaviour |",
+        "|---|---|---|---|---|",
     ]
     for row in rows:
         shard = f"`{row.shard}`" if row.shard is not None else "-"
-        lines.append(f"| `{row.name}` | {shard} | {row.status.value} | {_cell(row.note)} |")
+        lines.append(
+            f"| `{row.name}` | {shard} | {row.status.value} | {_cell(row.note)} "
+            f"| {_cell(row.behaviour)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -543,6 +561,7 @@ def stale_entries(names: Sequence[str], notes: Notes) -> list[str]:
         for section, entries in (
             ("differences", notes.differences),
             ("not_applicable", notes.not_applicable),
+            ("behaviour", notes.behaviour),
         )
         for name in entries
         if name not in known

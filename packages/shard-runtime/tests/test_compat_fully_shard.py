@@ -573,9 +573,9 @@ def _script_errors(impl: str) -> dict[str, str]:
     tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # one parameter, two modules
     tied[1].weight = tied[0].weight
     m.fully_shard(tied[0], mesh=mesh)
-    out["tied_two_calls"] = _outcome(
-        lambda: (m.fully_shard(tied, mesh=mesh), tied(torch.ones(1, 2)))
-    )
+    # PyTorch accepts the second call and refuses at the first forward.
+    out["tied_second_call"] = _outcome(lambda: m.fully_shard(tied, mesh=mesh))
+    out["tied_first_forward"] = _outcome(lambda: tied(torch.ones(1, 2)))
     return out
 
 
@@ -585,7 +585,12 @@ def _shard_messages() -> dict[str, str]:
     twice = fs(nn.Linear(2, 2), mesh=mesh)
     shared = nn.Linear(2, 2)
     fs(nn.Sequential(shared), mesh=mesh)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    fs(tied[0], mesh=mesh)
+    fs(tied, mesh=mesh)
     return {
+        "tied_first_forward": _message(lambda: tied(torch.ones(1, 2))),
         "scalar": _message(lambda: fs(_Scalar(), mesh=mesh)),
         "non_contiguous": _message(lambda: fs(_Strided(), mesh=mesh)),
         "module_list": _message(lambda: fs(nn.ModuleList([nn.Linear(2, 2)]), mesh=mesh)),
@@ -595,7 +600,9 @@ def _shard_messages() -> dict[str, str]:
 
 
 def test_errors_have_torch_exception_types(rank_pool: RankPool) -> None:
-    """Bad input raises PyTorch's exception type; our messages still name the culprit and fix."""
+    """Bad input raises PyTorch's exception type, at the same call (a weight tied across two
+    calls: at the first forward); our messages name the culprit and the fix and include the
+    words PyTorch's tests match."""
     (result,) = _run(rank_pool, "_script_errors", 1)
     assert result["shard"] == result["torch"]
     assert result["shard"] == {
@@ -611,7 +618,8 @@ def test_errors_have_torch_exception_types(rank_pool: RankPool) -> None:
         "prefetch_unsharded": "ValueError",
         "applied_twice": "AssertionError",
         "shared_module_two_calls": "TypeError",
-        "tied_two_calls": "ValueError",
+        "tied_second_call": "ok",
+        "tied_first_forward": "ValueError",
     }
     (messages,) = rank_pool.run(_shard_messages, 1)
     assert messages["scalar"].startswith(
@@ -623,7 +631,15 @@ def test_errors_have_torch_exception_types(rank_pool: RankPool) -> None:
         "contiguous first"
     )
     assert messages["module_list"].startswith(
-        "fully_shard: ModuleList is a container without a forward"
+        "fully_shard does not support containers that do not implement forward: ModuleList is "
+        "a container without a forward, so nothing would gather its parameters; shard its "
+        "children"
+    )
+    assert messages["tied_first_forward"] == (
+        "fully_shard(Sequential): parameter '1.weight' is shared with a parameter already "
+        "managed by another FSDP group, the unit of Linear ('0'); a parameter shared by two "
+        "units must be in one unit: pass the modules that share it as a list to one fully_shard "
+        "call (fully_shard([module_a, module_b]))"
     )
     assert messages["applied_twice"] == (
         "fully_shard: FSDPLinear is already sharded (fully_shard was applied to it before); "

@@ -99,6 +99,7 @@ def _errors() -> dict[str, str]:
     tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     tied[1].weight = tied[0].weight
     fully_shard(tied[0], mesh=mesh)
+    fully_shard(tied, mesh=mesh)  # accepted, as in PyTorch: the first forward refuses
     child_first = nn.Sequential(nn.Linear(2, 2))
     fully_shard(child_first[0], mesh=mesh)
     fully_shard(child_first, mesh=mesh)
@@ -109,7 +110,7 @@ def _errors() -> dict[str, str]:
         "scalar": _error(lambda: fully_shard(_Scalar(), mesh=mesh)),
         "strided": _error(lambda: fully_shard(_Strided(), mesh=mesh)),
         "shared": _error(lambda: fully_shard(b, mesh=mesh)),
-        "tied": _error(lambda: fully_shard(tied, mesh=mesh)),
+        "tied": _error(lambda: tied(torch.ones(1, 3))),
         "mesh3d": _error(
             lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 1)))
         ),
@@ -127,11 +128,13 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
     """Each bad input raises an exception naming the module or parameter and the fix."""
     (errors,) = rank_pool.run(_errors, 1)
     assert errors["modulelist"].startswith(
-        "ValueError: fully_shard: ModuleList is a container without a forward, so nothing would "
-        "gather its parameters; shard its children instead"
+        "ValueError: fully_shard does not support containers that do not implement forward: "
+        "ModuleList is a container without a forward, so nothing would gather its parameters; "
+        "shard its children instead"
     )
     assert errors["moduledict"].startswith(
-        "ValueError: fully_shard: ModuleDict is a container without a forward"
+        "ValueError: fully_shard does not support containers that do not implement forward: "
+        "ModuleDict is a container without a forward"
     )
     assert errors["scalar"] == (
         "LayoutError: fully_shard(_Scalar): parameter 'scale' is a scalar (0-d); sharding splits "
@@ -146,9 +149,10 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
         "of Sequential; a parameter shared by two units must be in one unit"
     )
     assert errors["tied"].startswith(
-        "ValueError: fully_shard(Sequential): parameter '1.weight' is already sharded by the unit "
-        "of Linear ('0'); a parameter shared by two units must be in one unit: pass the modules "
-        "that share it as a list to one fully_shard call"
+        "ValueError: fully_shard(Sequential): parameter '1.weight' is shared with a parameter "
+        "already managed by another FSDP group, the unit of Linear ('0'); a parameter shared by "
+        "two units must be in one unit: pass the modules that share it as a list to one "
+        "fully_shard call"
     )
     assert errors["mesh3d"].startswith("ValueError: fully_shard: mesh must be 1-D (shard) or 2-D")
     assert errors["mesh2d_unnamed"].startswith(

@@ -144,10 +144,13 @@ def test_param_init_fn_not_callable_is_a_value_error(errors: dict[str, Any]) -> 
 def test_frozen_and_trainable_in_one_flat_parameter_lists_both_groups(
     errors: dict[str, Any],
 ) -> None:
-    """use_orig_params=False cannot mix frozen and trainable parameters; both groups are named."""
+    """use_orig_params=False cannot mix frozen and trainable parameters; both groups are named,
+    with the words PyTorch's tests match ("has both parameters with requires_grad=True and
+    False")."""
     assert errors["frozen_flat"] == (
         "ValueError: FullyShardedDataParallel(_TwoLinear): one flat parameter cannot mix frozen "
-        "and trainable parameters with use_orig_params=False; frozen: 0.weight, 0.bias; "
+        "and trainable parameters with use_orig_params=False (_TwoLinear has both parameters "
+        "with requires_grad=True and False); frozen: 0.weight, 0.bias; "
         "trainable: 1.weight, 1.bias. Wrap them in separate units (an auto_wrap_policy), or "
         "pass use_orig_params=True"
     )

@@ -118,6 +118,20 @@ LORA = BlockSpec(kind="lora")
     )
 )
 @example(Config(blocks=(BlockSpec(), BlockSpec(), BlockSpec()), prefetch="explicit"))
+# the wrapper's CPU offload (shard only) under no_sync with low-precision gradients kept,
+# clipping, no limit on all-gathers; a LoRA unit (frozen and trainable original parameters)
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(LORA, BlockSpec()),
+        precision="bf16-extra",
+        offload=True,
+        microbatches=2,
+        clip=0.5,
+        limit_all_gathers=False,
+        forward_prefetch=True,
+    )
+)
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
     assume(not known_bugs_in(config))
@@ -129,6 +143,16 @@ def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
 # HSDP on a 2 x 2 mesh, both front ends; an int reshard_after_forward (2 of 4 ranks)
 @example(Config(world_size=4, mesh=(2, 2), blocks=(LORA, BlockSpec()), microbatches=2))
 @example(Config(front_end="wrapper", world_size=4, mesh=(2, 2), strategy="HYBRID_SHARD", clip=0.5))
+@example(
+    Config(
+        front_end="wrapper",
+        world_size=4,
+        mesh=(2, 2),
+        strategy="_HYBRID_SHARD_ZERO2",
+        microbatches=2,
+        offload=True,
+    )
+)
 @example(
     Config(
         world_size=4,

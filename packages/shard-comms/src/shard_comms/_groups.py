@@ -18,6 +18,18 @@ thread find the first thread's groups and skip the collective ``new_group``
 calls the first thread is waiting in, a deadlock. No lock is held while a
 group is built, for the same reason: a thread holding it inside a collective
 would block the other ranks from ever joining.
+
+[Note: a mesh without a default group]
+PyTorch's wrapper accepts an explicit ``process_group`` when no default
+process group exists: its own tests pass a stand-in group of one rank, and
+fairseq passes one to train a world of one without ``init_process_group``.
+A ``DeviceMesh`` normally asks the default group for the rank, so
+:func:`standalone_group_mesh` builds a 1-D mesh that takes its rank and its
+one axis group from the given group instead. Collectives over a group of one
+rank are local copies (``_collectives.py``), so a unit on such a mesh trains
+without ever touching ``torch.distributed``; a larger stand-in group fails at
+its first collective, as under PyTorch. It is never cached: the cache is
+keyed by the default group, which does not exist here.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ __all__ = [
     "post_forward_group",
     "replicated_mesh",
     "separate_reduce_scatter_group",
+    "standalone_group_mesh",
 ]
 
 _T = TypeVar("_T")
@@ -155,6 +168,41 @@ def separate_reduce_scatter_group(shard_group: ProcessGroup) -> ProcessGroup:
         return group
 
     return _cached("separate_reduce_scatter", (ranks,), make)
+
+
+class _StandaloneGroupMesh(DeviceMesh):
+    """A 1-D mesh over one group, for when no default group exists; see [Note: a mesh ...]."""
+
+    def __init__(self, group: ProcessGroup, device_type: str) -> None:
+        super().__init__(
+            device_type,
+            list(range(group.size())),
+            mesh_dim_names=("shard",),
+            _init_backend=False,
+            _rank=group.rank(),
+        )
+        self._group = group
+
+    def get_group(self, mesh_dim: int | str | None = None) -> ProcessGroup:
+        return self._group
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        return self._group.rank()
+
+
+def standalone_group_mesh(group: ProcessGroup, *, device_type: str) -> DeviceMesh:
+    """A 1-D mesh over ``group`` that needs no default process group.
+
+    Only for when ``torch.distributed`` is not initialised (see [Note: a mesh
+    without a default group]); with a default group use :func:`group_mesh`.
+    ``group`` needs only ``rank()`` and ``size()`` until its first collective.
+    """
+    if dist.is_initialized():
+        raise MeshError(
+            "standalone_group_mesh: torch.distributed is initialised; use group_mesh(group), "
+            "whose mesh the rest of the job shares"
+        )
+    return _StandaloneGroupMesh(group, device_type)
 
 
 def mesh_groups(mesh: DeviceMesh) -> tuple[ProcessGroup, ProcessGroup | None]:

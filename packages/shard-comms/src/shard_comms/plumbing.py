@@ -37,6 +37,7 @@ from shard_comms._groups import (
     post_forward_group,
     replicated_mesh,
     separate_reduce_scatter_group,
+    standalone_group_mesh,
 )
 from shard_comms._process_group import (
     SHARD_DEVICE_ENV,
@@ -80,4 +81,5 @@ __all__ = [
     "resolve_divide_factors",
     "separate_reduce_scatter_group",
     "set_flight_step",
+    "standalone_group_mesh",
 ]

@@ -3,6 +3,15 @@
 A flat unit's gradient lives in shards: each rank's share of the norm is
 summed (or, for the inf-norm, maxed) across the shard group, then combined
 with the norm of the gradients every rank holds whole (ignored modules).
+
+[Note: clipping when nothing is split]
+When no unit is split (NO_SHARD everywhere, or one rank), every rank holds
+every gradient whole, and PyTorch's wrapper hands the model's parameters to
+``torch.nn.utils.clip_grad_norm_``, which computes the norms in the
+gradients' own dtype. With low-precision gradients
+(``keep_low_precision_grads``) that rounds differently from the sharded
+path's fp32 norms, so shard takes the same route there; the sharded path
+sums fp32 norms in PyTorch's order.
 """
 
 from __future__ import annotations
@@ -26,9 +35,8 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
     shard_group: dist.ProcessGroup | None = None
     shard_world = 1
     # PyTorch sums the per-parameter norms unit by unit (the outermost first, then the inner
-    # ones in module order, each unit's parameters in its flat buffer's order), or, when no
-    # unit is split (NO_SHARD, one rank), in the model's order: summing in the same order
-    # rounds as there.
+    # ones in module order, each unit's parameters in its flat buffer's order): summing in the
+    # same order rounds as there.
     any_split = False
     for s in states_in([root]):
         layout = s.unit.layout
@@ -36,10 +44,9 @@ def clip_grad_norm(root: nn.Module, max_norm: float, norm_type: float) -> torch.
         any_split = any_split or shard_world > 1
         for p in layout.registered_params():
             held.setdefault(id(p), p)
+    if not any_split:  # See [Note: clipping when nothing is split].
+        return torch.nn.utils.clip_grad_norm_(list(root.parameters()), max_norm, norm_type)
     ordered = list(held.values())
-    if not any_split:
-        order = {id(p): i for i, p in enumerate(root.parameters())}
-        ordered.sort(key=lambda p: order.get(id(p), len(order)))
     sharded = [p.grad for p in ordered if p.grad is not None]
     replicated = [p.grad for p in root.parameters() if id(p) not in held and p.grad is not None]
     device = (sharded or replicated or [torch.zeros(())])[0].device

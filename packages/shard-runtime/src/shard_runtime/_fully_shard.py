@@ -603,7 +603,8 @@ def fully_shard(
     managed = {
         id(p) for s in states_in(modules) for u in s.units for p in u.layout.registered_params()
     }
-    params = _collect_params(modules, managed, ignored_params or set(), label)
+    shared_elsewhere: list[ValueError] = []
+    params = _collect_params(modules, managed, ignored_params or set(), label, shared_elsewhere)
     compute_device = _compute_device(mesh)
     # See [Note: one unit per process group] in _mesh_groups.py.
     units = []
@@ -632,7 +633,9 @@ def fully_shard(
             setattr(param, _SHARDED_BY_ATTR, unit)
             setattr(sp.sharded_param, _SHARDED_BY_ATTR, unit)
         units.append(unit)
-    UnitState(modules, units, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
+    state = UnitState(modules, units, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
+    # See [Note: a weight tied across two calls].
+    state.lazy_init_errors.extend(shared_elsewhere)
     for unit in units:
         unit.reshard()
     mark_managed_modules(modules)  # See [Note: torch.compile] in _compile.py.
@@ -700,8 +703,9 @@ def _check_module(module: nn.Module, *, alone: bool) -> None:
         # Its forward hooks would never run. Other modules without a forward are
         # accepted, as in PyTorch (their children's hooks run).
         raise ValueError(
-            f"fully_shard: {type(module).__name__} is a container without a forward, so "
-            "nothing would gather its parameters; shard its children instead "
+            f"fully_shard does not support containers that do not implement forward: "
+            f"{type(module).__name__} is a container without a forward, so nothing would gather "
+            "its parameters; shard its children instead "
             "(fully_shard(child) for each), or pass them as a list to shard them as one "
             "unit (fully_shard(list(container)))"
         )
@@ -852,24 +856,47 @@ def _label(modules: list[nn.Module]) -> str:
     return ",".join(type(m).__name__ for m in modules)
 
 
+# [Note: a weight tied across two calls]
+# A parameter tied between modules that two fully_shard calls shard (an
+# embedding sharded on its own, the output layer that reuses its weight left
+# to the root) cannot work: each unit would gather and reduce its own copy.
+# PyTorch's fully_shard accepts both calls and raises ValueError at the root's
+# first forward, where its tests (and a user's ``try`` around the first step)
+# expect it; shard does the same: the second call records the error on its
+# state, and the root's lazy init raises the first one in its tree, before
+# any collective. (A module shared by two calls is refused at once: its
+# parameter is already the other unit's DTensor, PyTorch's TypeError.)
+
+
 def _collect_params(
     modules: list[nn.Module],
     managed: set[int],
     ignored: set[nn.Parameter],
     label: str,
+    shared_elsewhere: list[ValueError],
 ) -> list[OwnedParam]:
-    """Parameters of ``modules`` not managed by an inner unit, with every owner, in order."""
+    """Parameters of ``modules`` not managed by an inner unit, with every owner, in order.
+
+    A plain parameter another call already shards (a weight tied across two
+    calls) adds its error to ``shared_elsewhere``, raised at the first forward.
+    """
     params = owned_params(
         modules,
         enter=lambda module, prefix: True,  # an inner unit's parameters are in ``managed``
         take=lambda param: id(param) not in managed and param not in ignored,
     )
     for fqn, param, _ in params:
-        _check_param(fqn, param, label, modules)
+        _check_param(fqn, param, label, modules, shared_elsewhere)
     return params
 
 
-def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Module]) -> None:
+def _check_param(
+    fqn: str,
+    param: nn.Parameter,
+    label: str,
+    modules: list[nn.Module],
+    shared_elsewhere: list[ValueError],
+) -> None:
     other = getattr(param, _SHARDED_BY_ATTR, None)
     if isinstance(other, Unit):
         where = next(
@@ -881,16 +908,25 @@ def _check_param(fqn: str, param: nn.Parameter, label: str, modules: list[nn.Mod
             ),
             other.label,
         )
-        message = (
-            f"fully_shard({label}): parameter {fqn!r} is already sharded by the unit of "
-            f"{where}; a parameter shared by two units must be in one unit: pass the modules "
-            "that share it as a list to one fully_shard call"
+        fix = (
+            "a parameter shared by two units must be in one unit: pass the modules that share "
+            "it as a list to one fully_shard call"
         )
         if isinstance(param, DTensor):
             # A module shared by two calls: its parameter is the other unit's sharded
             # DTensor, which PyTorch refuses with a TypeError.
-            raise TypeError(message)
-        raise ValueError(message)
+            raise TypeError(
+                f"fully_shard({label}): parameter {fqn!r} is already sharded by the unit of "
+                f"{where}; {fix}"
+            )
+        shared_elsewhere.append(
+            ValueError(
+                f"fully_shard({label}): parameter {fqn!r} is shared with a parameter already "
+                f"managed by another FSDP group, the unit of {where}; {fix} "
+                "(fully_shard([module_a, module_b]))"
+            )
+        )
+        return
     # A DTensor parameter not sharded by a unit is split by tensor (or expert)
     # parallelism, or distributed over the whole mesh for dp_mesh_dims; whether
     # its mesh combines with fully_shard's is checked by ShardedParam.create.

@@ -189,6 +189,10 @@ class UnitState:
         # - tree: the parent is set when the enclosing state is built, the root at lazy init
         self.parent: UnitState | None = None
         self.root: UnitState | None = None
+        # Raised by the root's lazy init, first forward: errors the front end found when the
+        # state was built but PyTorch reports there (see [Note: a weight tied across two
+        # calls] in _fully_shard.py).
+        self.lazy_init_errors: list[Exception] = []
         # - root only; see [Note: the root]
         self.all_states: list[UnitState] = []
         self.post_forward_order: list[UnitState] = []
@@ -293,6 +297,9 @@ class UnitState:
                 "module that contains it; run the outermost sharded module's forward first (it "
                 "sets up the whole tree), then submodules may run on their own"
             )
+        for state in states:
+            if state.lazy_init_errors:
+                raise state.lazy_init_errors[0]
         for state in states:
             state.adopt_replaced_params()
         self.all_states = states

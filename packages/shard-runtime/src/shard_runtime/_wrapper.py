@@ -50,7 +50,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shard_comms import DefaultGradReducer, resolve_comm_hook
-from shard_comms.plumbing import group_mesh, hybrid_mesh, node_mesh, replicated_mesh
+from shard_comms.plumbing import (
+    group_mesh,
+    hybrid_mesh,
+    node_mesh,
+    replicated_mesh,
+    standalone_group_mesh,
+)
 from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._all_gather_extension import is_tensor_subclass
@@ -68,7 +74,8 @@ from shard_runtime._state_dict_type import (
     settings_of,
 )
 from shard_runtime._summon import FLAT_PARAM, SummonMethods, summon
-from shard_runtime._unit import TrainingState, Unit
+from shard_runtime._unit import TrainingState as UnitTrainingState
+from shard_runtime._unit import Unit
 from shard_runtime._unit_layout import check_one_dtype
 from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
 from shard_runtime._wrapper_init import (
@@ -90,6 +97,7 @@ from shard_runtime._wrapper_options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from shard_runtime._wrapper_training_state import TrainingState, check_state, wrapper_state
 from shard_runtime._wrapper_unit_view import record_buffer_dtype, set_flat_layout
 
 __all__ = ["FullyShardedDataParallel"]
@@ -107,11 +115,13 @@ class _Shared:
     def __init__(
         self,
         mesh: DeviceMesh,
+        process_group: dist.ProcessGroup,
         compute_device: torch.device,
         ignored_modules: frozenset[nn.Module],
         ignored_params: frozenset[nn.Parameter],
     ) -> None:
         self.mesh = mesh
+        self.process_group = process_group  # the group PyTorch's wrapper names process_group
         self.compute_device = compute_device
         self.ignored_modules = ignored_modules
         self.ignored_params = ignored_params
@@ -175,6 +185,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
                 f"got {strategy!r}"
             )
         _check_not_sharded(module)
+        if auto_wrap_policy is not None and _shared is None:
+            _check_no_wrapper_inside(module)
         # PyTorch warns about a frozen mix only in the units its auto-wrap policy makes.
         self._made_by_policy = _shared is not None
         if _shared is None:
@@ -191,6 +203,10 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
                 sync=sync_module_states,
             )
         self._shared = _shared
+        # PyTorch's attributes: the shard group (the one within a node for hybrid strategies).
+        self.process_group = _shared.process_group
+        self.rank = _shared.process_group.rank()
+        self.world_size = _shared.process_group.size()
         self.sharding_strategy = strategy
         self.mixed_precision = mixed_precision
         self.cpu_offload = cpu_offload or CPUOffload()
@@ -322,6 +338,23 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         """PyTorch's names: wrapper segments included, except inside ``summon_full_params``."""
         for name, buffer in super().named_buffers(prefix, recurse, remove_duplicate):
             yield (name.replace(WRAPPED_PREFIX, "") if self._in_summon else name), buffer
+
+    @property
+    def training_state(self) -> TrainingState:
+        """``IDLE``, ``FORWARD_BACKWARD`` or ``SUMMON_FULL_PARAMS``, as PyTorch's wrapper says.
+
+        See [Note: a thin _assert_state] in ``_wrapper_training_state.py``.
+        """
+        return wrapper_state(_state(self).unit.training_state, self._in_summon)
+
+    def _assert_state(self, state: object) -> None:
+        """Raise ``ValueError`` unless the wrapper is in ``state`` (one, or a list).
+
+        PyTorch's private method, kept because PyTorch's shared FSDP1 test
+        helpers call it; it accepts PyTorch's ``TrainingState`` members. See
+        [Note: a thin _assert_state] in ``_wrapper_training_state.py``.
+        """
+        check_state(self.training_state, state, f"the wrapper around {type(self.module).__name__}")
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         return _state(self).around_apply(
@@ -466,7 +499,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
                 f"{type(chosen).__name__}"
             )
         for s in states_in([self]):
-            if s.root is not None and s.unit.training_state is not TrainingState.IDLE:
+            if s.root is not None and s.unit.training_state is not UnitTrainingState.IDLE:
                 raise RuntimeError("register_comm_hook: call it before training starts")
             s.unit.comm_hook = resolved
 
@@ -511,7 +544,17 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         return _state(self).parent is None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of every parameter in this tree to a global norm; return it."""
+        """Clip the gradients of every parameter in this tree to a global norm; return it.
+
+        Root only (a ``RuntimeError`` on an inner wrapper, as in PyTorch), between steps.
+        """
+        if not self.check_is_root():
+            raise RuntimeError(
+                "`clip_grad_norm_()` should only be called on the root FSDP instance: the "
+                f"wrapper around {type(self.module).__name__} is inside another wrapper; call it "
+                "on the outermost wrapper, which clips the gradients of every unit together"
+            )
+        self._assert_state(TrainingState.IDLE)
         return clip_grad_norm(self, float(max_norm), float(norm_type))
 
     # ------------------------------------------------------------------ static helpers
@@ -526,8 +569,15 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         return [m for m in found if id(m) not in inner]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
-        """``nn.Module.apply`` on full parameters (gathered, then written back)."""
-        with summon(self, True, True, False, False, False):
+        """``nn.Module.apply`` on full parameters (gathered, then written back).
+
+        As in PyTorch, each wrapper gathers only its own unit: ``fn`` runs
+        once per module, inner wrappers gathering theirs when ``apply``
+        reaches them. Only between steps and outside ``summon_full_params``
+        (else ``ValueError``, as PyTorch's "expected to be in states").
+        """
+        self._assert_state(TrainingState.IDLE)
+        with summon(self, False, True, False, False, False):
             super().apply(fn)
         return self
 
@@ -565,7 +615,27 @@ def _prepare(
                 # One model check over the whole mesh, before the first broadcast.
                 fingerprint_groups=[mesh.get_group(a) for a in axes] if axis == axes[0] else [],
             )
-    return _Shared(mesh, compute_device, modules, params)
+    return _Shared(
+        mesh, _named_group(strategy, process_group, mesh), compute_device, modules, params
+    )
+
+
+def _named_group(
+    strategy: ShardingStrategy,
+    process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None,
+    mesh: DeviceMesh,
+) -> dist.ProcessGroup:
+    """The group PyTorch's wrapper calls ``process_group``: the one it shards over.
+
+    For NO_SHARD that is every rank (the group given, or the world), though
+    shard's mesh puts each rank in a shard group of its own (see [Note:
+    strategies as meshes]); for the hybrid strategies the shard group.
+    """
+    if isinstance(process_group, tuple):
+        return process_group[0]
+    if strategy is ShardingStrategy.NO_SHARD:
+        return mesh.get_group(0)
+    return mesh.get_group(mesh.ndim - 1)
 
 
 def _mesh_for(
@@ -580,7 +650,13 @@ def _mesh_for(
         raise ValueError(
             "FullyShardedDataParallel: pass either process_group or device_mesh, not both"
         )
-    if device_mesh is None and process_group is None and not dist.is_initialized():
+    if device_mesh is None and not dist.is_initialized() and not isinstance(process_group, tuple):
+        if process_group is not None and (
+            strategy not in HYBRID_STRATEGIES
+            and (strategy is not ShardingStrategy.NO_SHARD or process_group.size() == 1)
+        ):
+            # See [Note: a mesh without a default group] in shard_comms/_groups.py.
+            return standalone_group_mesh(process_group, device_type=device_type)
         raise RuntimeError(
             "FullyShardedDataParallel: torch.distributed is not initialized; call "
             "shard_comms.init_distributed() (or run under torchrun) before wrapping, or pass "
@@ -747,7 +823,8 @@ def _check_frozen_mix(
     if not use_orig_params:
         raise ValueError(
             f"FullyShardedDataParallel({name}): one flat parameter cannot mix frozen and "
-            f"trainable parameters with use_orig_params=False; frozen: {', '.join(frozen)}; "
+            f"trainable parameters with use_orig_params=False ({name} has both parameters with "
+            f"requires_grad=True and False); frozen: {', '.join(frozen)}; "
             f"trainable: {', '.join(trainable)}. Wrap them in separate units (an "
             "auto_wrap_policy), or pass use_orig_params=True"
         )
@@ -826,6 +903,30 @@ def _check_not_sharded(module: nn.Module) -> None:
         raise ValueError(
             f"FullyShardedDataParallel: this {name} is already sharded by fully_shard; "
             "shard a model with one front end, fully_shard or FullyShardedDataParallel"
+        )
+
+
+def _check_no_wrapper_inside(module: nn.Module) -> None:
+    """Refuse an ``auto_wrap_policy`` over a model that already holds sharded submodules.
+
+    PyTorch refuses it with a ``ValueError`` too (its test matches the words
+    "FSDP auto wrapping requires modules to not already have FSDP applied
+    but found <name> in"): the policy would decide units around ones made by
+    hand, and the two plans rarely agree.
+    """
+    for name, inner in module.named_modules():
+        if inner is module or get_state(inner) is None:
+            continue
+        kind = (
+            "a FullyShardedDataParallel"
+            if isinstance(inner, FullyShardedDataParallel)
+            else "sharded by fully_shard"
+        )
+        raise ValueError(
+            f"FullyShardedDataParallel: FSDP auto wrapping requires modules to not already have "
+            f"FSDP applied but found {clean_fqn(name)} in {type(module).__name__} ({kind}); "
+            "wrap by hand or with auto_wrap_policy, not both: pass auto_wrap_policy=None to keep "
+            "the wrappers already made, or apply the policy to the unwrapped model"
         )
 
 

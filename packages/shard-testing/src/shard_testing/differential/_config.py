@@ -35,6 +35,7 @@ from typing import Literal, Protocol, TypeVar
 __all__ = [
     "BlockSpec",
     "Config",
+    "HYBRID",
     "Pick",
     "Toggle",
     "draw_config",
@@ -47,7 +48,9 @@ FrontEnd = Literal["fully_shard", "wrapper"]
 BlockKind = Literal["mlp", "lora"]
 Checkpoint = Literal["none", "inner", "wrapper"]
 Precision = Literal["fp32", "bf16", "bf16-reduce-fp32", "bf16-extra"]
-Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+Strategy = Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+HYBRID: tuple[Strategy, ...] = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+"""The wrapper's strategies that need a 2-D (replicate, shard) mesh."""
 Prefetch = Literal["none", "explicit"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
 Optimizer = Literal["sgd", "adamw"]
@@ -136,7 +139,12 @@ class Config:
     """Wrapper only."""
     forward_prefetch: bool = False
     """Wrapper only."""
+    limit_all_gathers: bool = True
+    """Wrapper only."""
     offload: bool = False
+    """CPU offload of parameters. Wrapper: shard only, PyTorch's run keeps them on the
+    compute device (its FSDP1 offload needs an accelerator); offloading must not change a
+    value, so the comparison still holds. See [Note: the wrapper's offload] in ``_run.py``."""
     optimizer: Optimizer = "sgd"
     steps: int = 2
     microbatches: int = 1
@@ -197,6 +205,7 @@ class Config:
             out["auto_wrap"] = str(self.auto_wrap)
             out["backward_prefetch"] = self.backward_prefetch
             out["forward_prefetch"] = str(self.forward_prefetch)
+            out["limit_all_gathers"] = str(self.limit_all_gathers)
         return out
 
     def brief(self) -> str:
@@ -258,8 +267,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     use_orig_params = True
     if front_end == "wrapper":
         use_orig_params = pick((True, False))
-        strategy = pick(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"))
-        if strategy == "HYBRID_SHARD":
+        strategy = pick(("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", *HYBRID))
+        if strategy in HYBRID:
             mesh = _two_dim(pick, world)
     elif pick((False, True)):
         mesh = _two_dim(pick, world)
@@ -301,6 +310,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     prefetch: Prefetch = "none"
     backward_prefetch: BackwardPrefetch = "BACKWARD_PRE"
     forward_prefetch = False
+    limit_all_gathers = True
     auto_wrap = False
     if front_end == "fully_shard":
         divisors = tuple(d for d in range(1, shard_size + 1) if shard_size % d == 0)
@@ -309,6 +319,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     else:
         backward_prefetch = pick(("BACKWARD_PRE", "BACKWARD_POST", "none"))
         forward_prefetch = pick((False, True))
+        limit_all_gathers = pick((True, False))
         auto_wrap = shard_blocks and pick((False, True))
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
@@ -323,8 +334,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         auto_wrap=auto_wrap,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
-        # PyTorch's FSDP1 offload needs an accelerator (it raises on a CPU-only host).
-        offload=pick((False, True)) if front_end == "fully_shard" else False,
+        limit_all_gathers=limit_all_gathers,
+        offload=pick((False, True)),
         optimizer=pick(("sgd", "adamw")),
         steps=steps,
         microbatches=pick((1, 2)),

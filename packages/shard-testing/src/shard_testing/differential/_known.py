@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shard_testing.differential._config import Config, _unit_of, parameter_names
+from shard_testing.differential._config import HYBRID, Config, _unit_of, parameter_names
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bugs_in"]
 
@@ -101,11 +101,10 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         name="torch-hybrid-shard-group-of-one",
         culprit="torch",
-        matches=lambda c: (
-            c.strategy == "HYBRID_SHARD" and c.front_end == "wrapper" and c.mesh[-1] == 1
-        ),
+        matches=lambda c: c.strategy in HYBRID and c.front_end == "wrapper" and c.mesh[-1] == 1,
         symptom=(
-            "PyTorch's FSDP1 turns HYBRID_SHARD on a (replicate, 1) mesh into NO_SHARD over "
+            "PyTorch's FSDP1 turns HYBRID_SHARD (and _HYBRID_SHARD_ZERO2) on a (replicate, 1) "
+            "mesh into NO_SHARD over "
             "the shard group of one rank (_init_utils: 'switching to use NO_SHARD ... since "
             "the world size is 1') and never all-reduces across replicas: each rank keeps "
             "its own gradients. shard reduces across replicas (right). Minimal: "

@@ -16,6 +16,15 @@ exception is the call that applies FSDP1's own clipping
 (``model.clip_grad_norm_``) versus ``torch.nn.utils.clip_grad_norm_`` on
 FSDP2's DTensor gradients, which is a front-end difference, the same under
 both libraries.
+
+[Note: the wrapper's offload]
+PyTorch's FSDP1 ``CPUOffload(offload_params=True)`` needs an accelerator: on
+a CPU-only host it fails in its first forward. shard's works there, and
+offloading must not change a single value (the optimizer updates the same
+fp32 shards, on the CPU). So ``Config.offload`` with the wrapper offloads
+under shard only and compares with PyTorch's run without offload: the
+tester then covers offload with ``no_sync`` accumulation, mixed precision
+and clipping, against PyTorch's numbers.
 """
 
 from __future__ import annotations
@@ -260,11 +269,15 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         "sharding_strategy": ns.ShardingStrategy[config.strategy],
         "use_orig_params": config.use_orig_params,
         "mixed_precision": precision,
-        "cpu_offload": ns.CPUOffload(offload_params=True) if config.offload else None,
+        # See [Note: the wrapper's offload].
+        "cpu_offload": ns.CPUOffload(offload_params=True)
+        if config.offload and ns.__name__ == "shard_runtime"
+        else None,
         "backward_prefetch": None
         if config.backward_prefetch == "none"
         else ns.BackwardPrefetch[config.backward_prefetch],
         "forward_prefetch": config.forward_prefetch,
+        "limit_all_gathers": config.limit_all_gathers,
         "device_id": torch.device("cpu"),
     }
     if len(config.mesh) == 2:
