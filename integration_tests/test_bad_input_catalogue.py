@@ -61,7 +61,7 @@ test covers the same input, that test's file:
     LayoutError [scalar_parameter], also shard-runtime/tests/test_fully_shard_api.py
 22. a non-contiguous parameter
     NotImplementedError [non_contiguous], also shard-runtime/tests/test_fully_shard_api.py
-23. a parameter shared by two units
+23. a parameter shared by two units (refused at the root's first forward, as PyTorch)
     ValueError [shared_across_units], also shard-runtime/tests/test_fully_shard_api.py
 24. reshard_after_forward as an int that does not divide the shard axis
     ValueError [bad_reshard_size], also shard-runtime/tests/test_fully_shard_api.py
@@ -389,7 +389,9 @@ def _shared_across_units() -> None:
     model = _blocks([4, 4, 4])
     model[1].weight = model[0].weight
     fully_shard(model[0], mesh=_mesh())
-    fully_shard(model[1], mesh=_mesh())
+    fully_shard(model[1], mesh=_mesh())  # accepted, as PyTorch does: the root's forward refuses
+    fully_shard(model, mesh=_mesh())
+    _forward(model)
 
 
 def _bad_reshard_size() -> None:
@@ -921,9 +923,9 @@ CATALOGUE: list[Kind] = [
     ),
     Kind(
         "shared_across_units",
-        "a parameter shared by two units",
+        "a parameter shared by two units (refused at the root's first forward, as PyTorch)",
         ValueError,
-        ("parameter 'weight' is already sharded by the unit of",),
+        ("parameter 'weight' is shared with a parameter already managed by another FSDP group",),
         ("pass the modules that share it as a list to one fully_shard call",),
         "shard-runtime/tests/test_fully_shard_api.py",
     ),
