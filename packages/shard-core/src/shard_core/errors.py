@@ -26,6 +26,7 @@ __all__ = [
     "DeviceMismatchError",
     "DeviceUnavailableError",
     "DistributedInitError",
+    "FrameworkIntegrationWarning",
     "LayoutError",
     "MeshError",
     "ModelMismatchError",
@@ -187,6 +188,18 @@ class UnknownPluginNameError(ShardError, LookupError):
     def __str__(self) -> str:
         # LookupError would quote the message like a dict key.
         return str(self.args[0]) if self.args else ""
+
+
+class FrameworkIntegrationWarning(UserWarning):
+    """A framework that checks PyTorch's FSDP classes runs beside shard without the integration.
+
+    Lightning, torchtitan, accelerate and the transformers Trainer recognise
+    sharded modules by ``isinstance(m, torch.distributed.fsdp.FSDPModule)``;
+    without ``shard_runtime.use_shard_for_torch_fsdp()`` they treat shard's
+    modules as unsharded and silently lose features (Lightning's
+    ``no_backward_sync`` reduces every micro-batch). Shown once per process;
+    ``SHARD_FRAMEWORK_CHECK=0`` turns the check off.
+    """
 
 
 class PluginWarning(UserWarning):

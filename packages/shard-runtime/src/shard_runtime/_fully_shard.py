@@ -26,6 +26,7 @@ from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
+from shard_runtime._framework_check import warn_if_unintegrated
 from shard_runtime._front_end import FrontEndRules
 from shard_runtime._mesh_groups import MeshGroup, PlacementFn, group_by_mesh
 from shard_runtime._module_tree import OwnedParam, owned_params
@@ -590,6 +591,7 @@ def fully_shard(
     Returns:
         ``module`` itself (its class now also derives from :class:`FSDPModule`).
     """
+    warn_if_unintegrated("fully_shard", stacklevel=2)
     modules = module if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fully_shard: got an empty list of modules")

@@ -62,6 +62,7 @@ from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._all_gather_extension import is_tensor_subclass
 from shard_runtime._clip import clip_grad_norm
 from shard_runtime._flat_buffer_layout import FlatBufferLayout, FlatParamSpec
+from shard_runtime._framework_check import warn_if_unintegrated
 from shard_runtime._front_end import BackwardPrefetchMode, FrontEndRules
 from shard_runtime._module_tree import owned_params
 from shard_runtime._options import MixedPrecisionPolicy
@@ -178,6 +179,8 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         _shared: _Shared | None = None,
     ) -> None:
         super().__init__()
+        if _shared is None:
+            warn_if_unintegrated("FullyShardedDataParallel", stacklevel=2)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         if not isinstance(strategy, ShardingStrategy):
             raise TypeError(

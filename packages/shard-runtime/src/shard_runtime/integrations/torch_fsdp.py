@@ -39,6 +39,7 @@ __all__ = [
     "TORCH_FSDP_CLIENTS",
     "TORCH_FSDP_MODULES",
     "TorchFSDPPatch",
+    "integration_active",
     "use_shard_for_torch_fsdp",
 ]
 
@@ -219,6 +220,11 @@ class _Patch:
 _PATCH = _Patch()
 
 
+def integration_active() -> bool:
+    """Whether PyTorch's FSDP names resolve to shard's now (from any handle)."""
+    return _PATCH.count > 0
+
+
 class TorchFSDPPatch:
     """Returned by :func:`use_shard_for_torch_fsdp`: undo it, or use it as a context manager.
 
@@ -232,7 +238,7 @@ class TorchFSDPPatch:
     @property
     def active(self) -> bool:
         """Whether PyTorch's FSDP names currently resolve to shard's (from any handle)."""
-        return _PATCH.count > 0
+        return integration_active()
 
     @property
     def patched(self) -> tuple[str, ...]:
