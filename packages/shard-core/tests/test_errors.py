@@ -32,10 +32,13 @@ BUILTIN_BASE = {
 }
 
 
-def test_errors_module_lists_every_error_and_the_plugin_warning() -> None:
-    """errors.__all__ is sorted and holds exactly the errors above and PluginWarning."""
+WARNINGS = ("FrameworkIntegrationWarning", "PluginWarning")
+
+
+def test_errors_module_lists_every_error_and_the_warnings() -> None:
+    """errors.__all__ is sorted and holds exactly the errors above and the two warnings."""
     assert errors.__all__ == sorted(errors.__all__)
-    assert set(errors.__all__) == {*BUILTIN_BASE, "PluginWarning"}
+    assert set(errors.__all__) == {*BUILTIN_BASE, *WARNINGS}
 
 
 @pytest.mark.parametrize(("name", "base"), sorted(BUILTIN_BASE.items()))
@@ -47,10 +50,11 @@ def test_each_error_is_a_shard_error_and_its_builtin(name: str, base: type[Excep
     assert cls.__module__ == "shard_core.errors"
 
 
-def test_plugin_warning_is_a_user_warning_and_not_an_error() -> None:
-    """PluginWarning is a UserWarning (filterable), never a ShardError that would be raised."""
-    assert issubclass(errors.PluginWarning, UserWarning)
-    assert not issubclass(errors.PluginWarning, errors.ShardError)
+@pytest.mark.parametrize("name", WARNINGS)
+def test_warnings_are_user_warnings_and_not_errors(name: str) -> None:
+    """shard's warnings are UserWarnings (filterable), never ShardErrors that would be raised."""
+    assert issubclass(getattr(errors, name), UserWarning)
+    assert not issubclass(getattr(errors, name), errors.ShardError)
 
 
 def test_old_import_paths_give_the_same_classes() -> None:
