@@ -226,7 +226,16 @@ def git_url(tmp_path_factory: pytest.TempPathFactory) -> str:
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, clone / name)
     git("add", "-A")
-    git("-c", "user.name=test", "-c", "user.email=test@localhost", "commit", "-qm", "tree")
+    git(
+        "-c",
+        "user.name=test",
+        "-c",
+        "user.email=test@localhost",
+        "commit",
+        "--allow-empty",
+        "-qm",
+        "tree",
+    )
     return f"git+file://localhost{clone}@{git('rev-parse', 'HEAD').strip()}"
 
 
