@@ -11,13 +11,25 @@ The functional API has the names and options of
 """
 
 from shard_checkpoint._consolidate import consolidate
-from shard_checkpoint._errors import CheckpointError, StateDictError
+from shard_checkpoint._errors import CheckpointError, CorruptCheckpointError, StateDictError
 from shard_checkpoint._export import ExportReport, export_full_state_dict
 from shard_checkpoint._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
 from shard_checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from shard_checkpoint._options import StateDictOptions
 from shard_checkpoint._state_dict import get_state_dict, set_state_dict
-from shard_checkpoint._storage import load, resolve_checkpoint, save
+from shard_checkpoint._steps import (
+    latest_checkpoint,
+    newest_intact_checkpoint,
+    prune_checkpoints,
+    step_checkpoint_id,
+)
+from shard_checkpoint._storage import (
+    VerifyReport,
+    load,
+    resolve_checkpoint,
+    save,
+    verify_checkpoint,
+)
 from shard_checkpoint._types import (
     FQNS_T,
     DictValueType,
@@ -30,6 +42,7 @@ from shard_checkpoint._version import __version__
 
 __all__ = [
     "CheckpointError",
+    "CorruptCheckpointError",
     "DictValueType",
     "ExportReport",
     "FQNS_T",
@@ -40,16 +53,22 @@ __all__ = [
     "StateDictError",
     "StateDictOptions",
     "ValueType",
+    "VerifyReport",
     "__version__",
     "consolidate",
     "export_full_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
+    "latest_checkpoint",
     "load",
+    "newest_intact_checkpoint",
+    "prune_checkpoints",
     "resolve_checkpoint",
     "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "step_checkpoint_id",
+    "verify_checkpoint",
 ]
