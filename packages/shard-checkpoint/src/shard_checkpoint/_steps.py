@@ -16,9 +16,10 @@ checkpoint, and it is never removed. It removes, in this order:
    to), and would otherwise be taken for the newest;
 2. with ``keep_last=K``, complete steps older than the ``K`` newest (``newest``
    among them);
-3. leftovers of saves that never completed (``step-<N>.incomplete-*``,
-   ``step-<N>.old``) of the steps it removes or of steps at most ``newest``'s:
-   a save that completed replaced them.
+3. leftovers of earlier saves (``step-<N>.incomplete-*`` of saves that died,
+   ``step-<N>.old`` of a swap that was interrupted, ``step-<N>.removing-*``
+   of a prune that was): the process saves one checkpoint at a time, and
+   its last one is complete, so none of them is being written.
 
 A directory is removed by renaming it to ``<name>.removing-<token>`` first,
 then deleting that, so an interrupted prune never leaves a step directory
@@ -164,11 +165,7 @@ def prune_checkpoints(
     older = [path for path in complete if (step_of(path) or 0) < top]
     if keep_last is not None:
         doomed += older[: max(0, len(older) - (keep_last - 1))]
-    removed_steps = {step_of(path) for path in doomed}
-    for child in sorted(root.iterdir()) if root.is_dir() else []:
-        match = _LEFTOVER.match(child.name)
-        if match and (int(match.group(1)) <= top or int(match.group(1)) in removed_steps):
-            doomed.append(child)
+    doomed += [child for child in sorted(root.iterdir()) if _LEFTOVER.match(child.name)]
     removed = []
     for path in doomed:
         if path == newest:  # cannot happen; never remove the checkpoint just saved

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
+from shard_checkpoint import _pending
 from shard_checkpoint._checksums import (
     CHECKSUMS_FILE,
     FileChecksums,
@@ -86,6 +87,7 @@ __all__ = [
     "quiet_single_process",
     "resolve_checkpoint",
     "save",
+    "save_now",
     "verify_checkpoint",
 ]
 
@@ -131,8 +133,30 @@ def save(
         CheckpointError: ``checkpoint_id`` is taken by something that is not a
             checkpoint, or the save failed on some rank, or (``verify``) a
             file did not read back as written (every rank raises; the
-            previous checkpoint is untouched).
+            previous checkpoint is untouched), or the asynchronous save in
+            flight (``async_save``), which this waits for first, failed.
     """
+    _pending.wait()
+    return save_now(
+        state_dict,
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=planner,
+        process_group=process_group,
+        verify=verify,
+    )
+
+
+def save_now(
+    state_dict: Mapping[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    verify: bool = False,
+) -> Metadata:
+    """:func:`save` without waiting for the save in flight (the background thread's save)."""
     path = Path(checkpoint_id)
     staging = _decided_on_rank0(lambda: _prepare_save(path), process_group)
     writer = storage_writer if storage_writer is not None else ChecksummingWriter(staging)
