@@ -23,6 +23,8 @@ from shard_checkpoint._steps import (
     newest_intact_checkpoint,
     prune_checkpoints,
     step_checkpoint_id,
+    step_checkpoints,
+    step_of,
 )
 from shard_checkpoint._storage import (
     VerifyReport,
@@ -73,5 +75,7 @@ __all__ = [
     "set_optimizer_state_dict",
     "set_state_dict",
     "step_checkpoint_id",
+    "step_checkpoints",
+    "step_of",
     "verify_checkpoint",
 ]

@@ -63,6 +63,9 @@ class CorruptCheckpointError(CheckpointError):
         intact: The newest checkpoint beside ``checkpoint`` (same parent
             directory) that verifies completely; ``None`` if there is none or
             it was not looked for.
+        searched: Whether ``intact`` was looked for.
+        fix: What the message tells to do about an ``intact`` checkpoint
+            (a caller's own way to resume from it); ``None``: "load that one".
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class CorruptCheckpointError(CheckpointError):
         byte_range: tuple[int, int] | None = None,
         intact: str | None = None,
         searched: bool = False,
+        fix: str | None = None,
     ) -> None:
         self.checkpoint = checkpoint
         self.file = file
@@ -87,6 +91,7 @@ class CorruptCheckpointError(CheckpointError):
         self.byte_range = byte_range
         self.intact = intact
         self.searched = searched
+        self.fix = fix
         super().__init__(self._message())
 
     def _fields(self) -> dict[str, object]:
@@ -100,6 +105,7 @@ class CorruptCheckpointError(CheckpointError):
             "byte_range": self.byte_range,
             "intact": self.intact,
             "searched": self.searched,
+            "fix": self.fix,
         }
 
     def __reduce__(self) -> tuple[object, ...]:
@@ -110,6 +116,12 @@ class CorruptCheckpointError(CheckpointError):
         """The same error, naming ``intact`` as the newest intact checkpoint beside it."""
         fields = self._fields()
         fields.update(intact=intact, searched=True)
+        return _rebuild_corrupt(fields)
+
+    def with_fix(self, fix: str) -> CorruptCheckpointError:
+        """The same error, telling to ``fix`` (e.g. a command) where it names an intact one."""
+        fields = self._fields()
+        fields.update(fix=fix)
         return _rebuild_corrupt(fields)
 
     def location(self) -> str:
@@ -126,7 +138,10 @@ class CorruptCheckpointError(CheckpointError):
         writer = f" (written by rank {self.rank})" if self.rank is not None else ""
         where = self.location()
         if self.intact is not None:
-            after = f"the newest intact checkpoint beside it is {self.intact}: load that one"
+            after = (
+                f"the newest intact checkpoint beside it is {self.intact}: "
+                f"{self.fix or 'load that one'}"
+            )
         elif self.searched:
             after = (
                 "no intact checkpoint is beside it: restore it from a copy, or train again "
