@@ -98,11 +98,11 @@ test covers the same input, that test's file:
 40. load of a checkpoint from a different model (other shapes)
     CheckpointError [load_other_shapes], also shard-checkpoint/tests/test_storage.py
 41. a truncated checkpoint data file
-    CheckpointError [truncated_data_file], also shard-checkpoint/tests/test_storage.py
+    CorruptCheckpointError [truncated_data_file], also shard-checkpoint/tests/test_integrity.py
 42. a corrupted (cut) .metadata file
-    CheckpointError [corrupt_metadata]
+    CorruptCheckpointError [corrupt_metadata], also shard-checkpoint/tests/test_integrity.py
 43. a corrupted checkpoint data file (overwritten bytes)
-    CheckpointError [corrupt_data_file]
+    CorruptCheckpointError [corrupt_data_file], also shard-checkpoint/tests/test_integrity.py
 44. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
     CheckpointError [unwritable_directory]
 45. a checkpoint path under a file
@@ -143,7 +143,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
 from torch.futures import Future
 
-from shard_checkpoint import CheckpointError, load, save
+from shard_checkpoint import CheckpointError, CorruptCheckpointError, load, save
 from shard_comms import build_mesh
 from shard_core.errors import (
     LayoutError,
@@ -1025,26 +1025,28 @@ CATALOGUE: list[Kind] = [
     Kind(
         "truncated_data_file",
         "a truncated checkpoint data file",
-        CheckpointError,
-        ("is incomplete", "__0_0.distcp", "has only 100 bytes"),
-        ("a file deleted or cut short",),
-        _CKPT,
+        CorruptCheckpointError,
+        ("is corrupt", "__0_0.distcp (written by rank 0) has 100 bytes", "'model.w'"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(
         "corrupt_metadata",
         "a corrupted (cut) .metadata file",
-        CheckpointError,
-        ("is damaged: its .metadata cannot be read",),
-        ("Load an earlier checkpoint", "save this one again"),
+        CorruptCheckpointError,
+        ("is corrupt", ".metadata (written by rank 0) has 40 bytes"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(
         "corrupt_data_file",
         "a corrupted checkpoint data file (overwritten bytes)",
-        CheckpointError,
-        ("a data file of the checkpoint is damaged", "on rank 0"),
-        ("Load an earlier checkpoint",),
+        CorruptCheckpointError,
+        ("is corrupt", "__0_0.distcp (written by rank 0) does not match its checksum", "'model.w'"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(
