@@ -12,7 +12,6 @@ checkpoints and we read its (unverified, with a logged note), side by side.
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import random
 import re
@@ -272,24 +271,40 @@ def test_pytorch_dcp_loads_a_checkpoint_with_checksums(tmp_path: Path) -> None:
         assert torch.equal(ours["model"][key], theirs["model"][key])
 
 
+class _FlippingDisk:
+    """A file that keeps another bit than it was given wherever ``needle`` passes through."""
+
+    def __init__(self, raw: Any, needle: bytes) -> None:
+        self._raw = raw
+        self._needle = needle
+
+    def write(self, data: Any) -> int:
+        given = bytes(data)
+        at = given.find(self._needle)
+        if at >= 0:
+            kept = bytearray(given)
+            kept[at + len(self._needle) - 1] ^= 0x01
+            self._raw.write(bytes(kept))
+            return len(given)
+        return int(self._raw.write(given))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 def test_save_with_verify_refuses_storage_that_changes_what_it_was_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A disk that flips a bit on its way: verify=True fails the save, the old one stays."""
     path = tmp_path / "ckpt"
     save(_state(1), checkpoint_id=path)
-    real_write = checksums.ChecksummingStream.write
+    needle = _state(2)["model"]["w"].numpy().tobytes()  # the 12 float32 values of model.w
+    real_init = checksums.ChecksummingStream.__init__
 
-    def flipping_write(self: checksums.ChecksummingStream, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if len(view) == 48:  # the 12 float32 values of model.w
-            checksum_of_given = real_write(self, view)  # checksums what it was given ...
-            self._raw.seek(-1, os.SEEK_CUR)  # ... the disk keeps another last byte
-            self._raw.write(bytes([view[-1] ^ 0x01]))
-            return checksum_of_given
-        return real_write(self, data)
+    def flipping_init(self: checksums.ChecksummingStream, raw: Any, **kwargs: Any) -> None:
+        real_init(self, _FlippingDisk(raw, needle), **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(checksums.ChecksummingStream, "write", flipping_write)
+    monkeypatch.setattr(checksums.ChecksummingStream, "__init__", flipping_init)
     with pytest.raises(CheckpointError) as caught:
         save(_state(2), checkpoint_id=path, verify=True)
     [staging] = tmp_path.glob("ckpt.incomplete-*")

@@ -50,6 +50,7 @@ __all__ = [
     "CHECKSUMS_FILE",
     "CHECKSUMS_MARK",
     "MAX_SEGMENT",
+    "SMALL_WRITE",
     "ChecksummingStream",
     "FileChecksums",
     "FileRecorder",
@@ -70,6 +71,8 @@ _VERSION = 1
 # A segment never spans more: a failing range stays small enough to name, and a
 # key is verified without reading much beyond it.
 MAX_SEGMENT = 16 * 1024 * 1024
+# Writes below this size are gathered before they are checksummed and written.
+SMALL_WRITE = 64 * 1024
 
 # (offset, length, crc) of one segment of a file.
 Segment = tuple[int, int, int]
@@ -199,35 +202,82 @@ class ChecksummingStream(io.RawIOBase):
     """A writable file stream that checksums what passes through; see [Note: checkpoint checksums].
 
     ``tell()`` closes the current segment: DCP asks for the position before
-    and after each item it writes, so segments follow items.
+    and after each item it writes, so segments follow items. Writes smaller
+    than ``SMALL_WRITE`` (``torch.save`` makes dozens per tensor: zip
+    headers, the pickle) are gathered and checksummed and written together;
+    larger ones go straight through, so no tensor's bytes are copied here.
     """
 
     def __init__(self, raw: io.IOBase, *, max_segment: int = MAX_SEGMENT) -> None:
         super().__init__()
         self._raw = raw
         self._max_segment = max_segment
-        # - the file so far
+        # - the file so far (``_pending`` not included)
         self._position = 0
         self._segments: list[Segment] = []
         # - the open segment
         self._start = 0
         self._crc = 0
+        # - small writes not yet passed on
+        self._pending = bytearray()
 
     @property
     def segments(self) -> tuple[Segment, ...]:
         """The segments written so far (the open one closed first)."""
+        self._drain()
         self._cut()
         return tuple(self._segments)
 
     @property
     def size(self) -> int:
-        return self._position
+        return self._position + len(self._pending)
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: ReadableBuffer) -> int:
-        view = memoryview(data).cast("B")
+        # The hot path: torch.save writes a memoryview of bytes, often a few bytes long.
+        size = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
+        if size < SMALL_WRITE:
+            pending = self._pending
+            pending += data
+            if len(pending) >= SMALL_WRITE:
+                self._drain()
+            return size
+        self._drain()
+        self._pass_on(memoryview(data).cast("B"))
+        return size
+
+    def tell(self) -> int:
+        self._drain()
+        self._cut()
+        return self._position
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        self._drain()
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        self.flush()
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._drain()
+            self._cut()
+            super().close()  # flushes
+            self._raw.close()
+
+    def _drain(self) -> None:
+        if self._pending:
+            self._pass_on(memoryview(self._pending))
+            self._pending = bytearray()
+
+    def _pass_on(self, view: memoryview) -> None:
+        """Write ``view`` (bytes) to the file, checksumming it segment by segment."""
         done = 0
         while done < len(view):
             room = self._max_segment - (self._position - self._start)
@@ -240,26 +290,6 @@ class ChecksummingStream(io.RawIOBase):
             done += len(piece)
             if self._position - self._start == self._max_segment:
                 self._cut()
-        return len(view)
-
-    def tell(self) -> int:
-        self._cut()
-        return self._position
-
-    def seekable(self) -> bool:
-        return False
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._cut()
-            super().close()  # flushes
-            self._raw.close()
 
     def _cut(self) -> None:
         if self._position > self._start:

@@ -16,7 +16,9 @@ records; this module writes it (:class:`ChecksummingWriter`, a DCP
 - :func:`verify`: the structure and every segment of every file
   (``verify_checkpoint``, ``shard ckpt inspect --verify``, the search for
   the newest intact checkpoint, and ``save(verify=True)``, where each rank
-  reads back the files it wrote).
+  reads back the files it wrote, from the storage rather than the page
+  cache where the OS allows: the checksums were taken of the bytes on their
+  way to the file, so a read of the same cached pages would prove little).
 - A checkpoint with neither a ``.checksums`` file nor the mark in its
   ``.metadata`` (written by PyTorch's DCP, or by shard-checkpoint before
   checksums) loads unverified, and ``load`` logs a warning saying so.
@@ -88,10 +90,16 @@ class Source(Protocol):
 
 
 class DirectorySource:
-    """The files of the checkpoint directory ``path``."""
+    """The files of the checkpoint directory ``path``.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    ``uncached``: drop each file's pages from the OS's cache before reading
+    it (``posix_fadvise``, where there is one), so that what is read comes
+    from the storage, not from the memory the writer just filled.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, uncached: bool = False) -> None:
         self.path = Path(path)
+        self.uncached = uncached
 
     def size(self, name: str) -> int | None:
         try:
@@ -100,7 +108,11 @@ class DirectorySource:
             return None
 
     def open(self, name: str) -> contextlib.AbstractContextManager[IO[bytes]]:
-        return (self.path / name).open("rb")
+        file = (self.path / name).open("rb")
+        if self.uncached and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return file
 
 
 class MemorySource:

@@ -122,8 +122,9 @@ def save(
             checkpoint then loads unverified).
         planner: a DCP save planner; ``None``: DCP's default.
         process_group: the ranks that save together.
-        verify: each rank reads back the files it wrote and checks them
-            against their checksums before the checkpoint is put in place; a
+        verify: each rank reads back the files it wrote (from the storage,
+            not the page cache, where the OS allows) and checks them against
+            their checksums before the checkpoint is put in place; a
             difference fails the save. Costs one read of the checkpoint.
 
     Returns:
@@ -406,7 +407,7 @@ def _written_files(
     try:
         check_segments(
             str(staging),
-            DirectorySource(staging),
+            DirectorySource(staging, uncached=True),
             checked,
             {name: entry.segments for name, entry in files.items()},
         )
