@@ -28,6 +28,7 @@ from shard_checkpoint import (
     CheckpointError,
     CorruptCheckpointError,
     StateDictOptions,
+    consolidate,
     get_model_state_dict,
     load,
     save,
@@ -219,6 +220,21 @@ def test_a_seeded_sample_of_flips_never_loads(tmp_path: Path) -> None:
     state = _blank()
     load(state, checkpoint_id=path)
     assert torch.equal(state["model"]["w"], _state(1)["model"]["w"])
+
+
+def test_consolidate_refuses_a_flipped_bit(tmp_path: Path) -> None:
+    """consolidate reads through the same checks: no file is written from damaged bytes."""
+    path = tmp_path / "ckpt"
+    save(_state(1), checkpoint_id=path)
+    file, _, end = _items(path)["model.b"]
+    data = bytearray((path / file).read_bytes())
+    data[end - 1] ^= 0x02
+    (path / file).write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as caught:
+        consolidate(path, tmp_path / "model.safetensors", prefix="model.")
+    assert (caught.value.file, caught.value.key) == (file, "model.b")
+    assert caught.value.searched
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_verify_checkpoint_reports_what_it_read(tmp_path: Path) -> None:

@@ -476,6 +476,8 @@ class VerifyingReader(FileSystemReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if self._checked is not None and self._checked.metadata is metadata:
+            return  # a reader that loads one checkpoint in parts (consolidate)
         checkpoint = str(self.path)
         source = DirectorySource(checkpoint)
         encoded = _read_all(source, CHECKSUMS_FILE)

@@ -83,7 +83,9 @@ from shard_checkpoint._steps import latest_checkpoint, newest_intact_checkpoint
 
 __all__ = [
     "check_against_metadata",
+    "first_corruption",
     "load",
+    "newest_intact_beside",
     "quiet_single_process",
     "resolve_checkpoint",
     "save",
@@ -256,11 +258,11 @@ def load(
                 no_dist=not _distributed(),
             )
     except (CheckpointException, dist.DistError) as exc:
-        corrupt = _first_corruption(exc)
+        corrupt = first_corruption(exc)
         if corrupt is not None:
             # Every rank has every rank's failures: the same error, then rank 0's search.
             intact = broadcast_object(
-                _newest_intact_beside(Path(resolved)) if rank(process_group) == 0 else None,
+                newest_intact_beside(Path(resolved)) if rank(process_group) == 0 else None,
                 process_group,
             )
             raise corrupt.with_intact(intact) from exc
@@ -322,7 +324,7 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike[str]) -> VerifyReport:
     try:
         checked = verify(str(path), DirectorySource(path))
     except CorruptCheckpointError as exc:
-        raise exc.with_intact(_newest_intact_beside(path)) from None
+        raise exc.with_intact(newest_intact_beside(path)) from None
     manifest = checked.manifest
     if manifest is None:
         return VerifyReport(path=path, checksummed=False, files=0, bytes=0)
@@ -334,7 +336,8 @@ def verify_checkpoint(checkpoint_id: str | os.PathLike[str]) -> VerifyReport:
     )
 
 
-def _newest_intact_beside(path: Path) -> str | None:
+def newest_intact_beside(path: Path) -> str | None:
+    """The newest checkpoint beside ``path`` that verifies completely, as a string; ``None``."""
     intact = newest_intact_checkpoint(path.parent, besides=path)
     return None if intact is None else str(intact)
 
@@ -529,7 +532,7 @@ def _checked_structure(path: Path, *, note: bool) -> str | CheckpointError:
         with quiet_single_process():
             checked = check_structure(str(path), DirectorySource(path))
     except CorruptCheckpointError as exc:
-        return exc.with_intact(_newest_intact_beside(path))
+        return exc.with_intact(newest_intact_beside(path))
     except CheckpointError as exc:
         return exc
     if checked.manifest is None and note:
@@ -687,7 +690,7 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).strip().split("\n", 1)[0]
 
 
-def _first_corruption(exc: CheckpointException | dist.DistError) -> CorruptCheckpointError | None:
+def first_corruption(exc: CheckpointException | dist.DistError) -> CorruptCheckpointError | None:
     """The lowest rank's ``CorruptCheckpointError`` among a failed load's failures, if any."""
     if not isinstance(exc, CheckpointException):
         return None
