@@ -56,6 +56,14 @@ def test_the_newest_complete_step_is_read(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "notes") is None
     with pytest.raises(CheckpointError, match=r"it has no \.metadata, which a save writes last"):
         resolve_checkpoint(tmp_path / "notes")
+    (tmp_path / "notes" / "step-4.incomplete-0123456789ab").mkdir()
+    with pytest.raises(CheckpointError) as caught:
+        resolve_checkpoint(tmp_path / "notes")
+    assert str(caught.value) == (
+        f"{tmp_path}/notes is not a complete checkpoint: it has no .metadata, which a save writes "
+        "last (it holds only unfinished step saves: step-4.incomplete-0123456789ab); load a "
+        "checkpoint written by save()"
+    )
 
 
 def test_keep_last_keeps_the_newest_k_and_removes_leftovers(tmp_path: Path) -> None:

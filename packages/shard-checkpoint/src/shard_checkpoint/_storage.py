@@ -79,7 +79,7 @@ from shard_checkpoint._integrity import (
     check_structure,
     verify,
 )
-from shard_checkpoint._steps import latest_checkpoint, newest_intact_checkpoint
+from shard_checkpoint._steps import STEP_PREFIX, latest_checkpoint, newest_intact_checkpoint
 
 __all__ = [
     "check_against_metadata",
@@ -513,6 +513,9 @@ def _resolve_or_error(path: Path, *, note: bool) -> str | CheckpointError:
         )
     unfinished = sorted(p.name for p in path.parent.glob(f"{path.name}{INCOMPLETE_MARK}*"))
     note_text = f" (a save to it did not finish: {unfinished[0]})" if unfinished else ""
+    unfinished_steps = sorted(p.name for p in path.glob(f"{STEP_PREFIX}*{INCOMPLETE_MARK}*"))
+    if unfinished_steps and not unfinished:
+        note_text = f" (it holds only unfinished step saves: {', '.join(unfinished_steps)})"
     if not path.exists():
         return CheckpointError(f"no checkpoint at {path}: the path does not exist{note_text}")
     return CheckpointError(
