@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from shard_checkpoint import (
     CheckpointError,
     StateDictOptions,
     async_save,
+    close_async_saves,
     get_model_state_dict,
     get_optimizer_state_dict,
     load,
@@ -101,6 +103,7 @@ def _async_while_training(front: str, root: str) -> dict[str, Any]:
     for step in (1, 2):  # training goes on, collectives on the default group included
         _train_step(model, optim, step)
     handle.result()
+    close_async_saves()
     assert not torch.equal(  # training did change what was saved
         _full(model, optim)["model"]["embed.weight"], at_call["model"]["embed.weight"]
     )
@@ -154,6 +157,13 @@ def test_async_save_holds_the_values_at_the_call(
         "__1_0.distcp",
     ]
     assert verify_checkpoint(tmp_path / "async").files == 3
+
+
+@pytest.fixture(autouse=True)
+def _closed() -> Iterator[None]:
+    """Each test's background saves end with it: the copy and the thread's work are freed."""
+    yield
+    close_async_saves()
 
 
 class _GatedWriter:

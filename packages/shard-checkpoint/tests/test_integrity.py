@@ -315,12 +315,12 @@ def test_save_with_verify_refuses_storage_that_changes_what_it_was_given(
     path = tmp_path / "ckpt"
     save(_state(1), checkpoint_id=path)
     needle = _state(2)["model"]["w"].numpy().tobytes()  # the 12 float32 values of model.w
-    real_init = checksums.ChecksummingStream.__init__
+    real_init = checksums.ChecksummingFile.__init__
 
-    def flipping_init(self: checksums.ChecksummingStream, raw: Any, **kwargs: Any) -> None:
-        real_init(self, _FlippingDisk(raw, needle), **kwargs)  # type: ignore[arg-type]
+    def flipping_init(self: checksums.ChecksummingFile, file: Any, **kwargs: Any) -> None:
+        real_init(self, _FlippingDisk(file, needle), **kwargs)
 
-    monkeypatch.setattr(checksums.ChecksummingStream, "__init__", flipping_init)
+    monkeypatch.setattr(checksums.ChecksummingFile, "__init__", flipping_init)
     with pytest.raises(CheckpointError) as caught:
         save(_state(2), checkpoint_id=path, verify=True)
     [staging] = tmp_path.glob("ckpt.incomplete-*")

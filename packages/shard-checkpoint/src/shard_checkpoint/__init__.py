@@ -10,7 +10,7 @@ The functional API has the names and options of
     save({"model": model_state, "optim": optim_state}, checkpoint_id="ckpt/step-100")
 """
 
-from shard_checkpoint._async import AsyncSave, async_save
+from shard_checkpoint._async import AsyncSave, async_save, close_async_saves
 from shard_checkpoint._consolidate import consolidate
 from shard_checkpoint._errors import CheckpointError, CorruptCheckpointError, StateDictError
 from shard_checkpoint._export import ExportReport, export_full_state_dict
@@ -60,6 +60,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "async_save",
+    "close_async_saves",
     "consolidate",
     "export_full_state_dict",
     "get_model_state_dict",

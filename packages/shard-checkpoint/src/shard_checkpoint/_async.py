@@ -21,6 +21,9 @@ and :class:`AsyncSave` ``.result()`` waits for it and raises its error.
   would interleave in a different order on each rank.
 - A process that dies during the write leaves ``<id>.incomplete-*`` and the
   previous checkpoint as it was; the new one appears only once complete.
+- The CPU copy and the group stay for the next save; ``close_async_saves()``
+  (collective, after the last save: ``shard train`` calls it when training
+  ends) waits for the save in flight and frees both.
 - In one process without ``torch.distributed`` the background thread
   silences DCP's "single process" warning with ``warnings.catch_warnings``,
   which is not thread-safe: a ``catch_warnings`` of the main thread that
@@ -46,7 +49,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from shard_checkpoint import _pending
 from shard_checkpoint._storage import save_now
 
-__all__ = ["AsyncSave", "async_save"]
+__all__ = ["AsyncSave", "async_save", "close_async_saves"]
 
 
 class AsyncSave:
@@ -142,6 +145,30 @@ def async_save(
     future = _writer.submit(write)
     _pending.track(future)
     return AsyncSave(path, future, time.perf_counter() - started)
+
+
+def close_async_saves() -> None:
+    """Wait for the save in flight, then free the CPU copy and the background group.
+
+    Call it on every rank after the last ``async_save`` (a later one starts
+    afresh). See [Note: asynchronous saves].
+
+    Raises:
+        CheckpointError: the save in flight failed (the memory is freed all the same).
+    """
+    global _stager, _background
+    try:
+        _pending.wait()
+    finally:
+        with _stager_lock:
+            if _stager is not None:
+                _stager.close()
+                _stager = None
+        if _background is not None:
+            group = _background[1]
+            _background = None
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group(group)
 
 
 def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ The ranges are cut where DCP starts a new item (it asks the stream for its
 position before and after each one), and every ``MAX_SEGMENT`` bytes within
 a large item, so a failing range names one key, and reading a key back
 needs only the segments that hold it. The checksums are computed from the
-bytes on their way to the file (:class:`ChecksummingStream`), never by
+bytes on their way to the file (:class:`ChecksummingFile`), never by
 reading the file again.
 
 After every rank has written its files and rank 0 the ``.metadata``, rank 0
@@ -51,7 +51,7 @@ __all__ = [
     "CHECKSUMS_MARK",
     "MAX_SEGMENT",
     "SMALL_WRITE",
-    "ChecksummingStream",
+    "ChecksummingFile",
     "FileChecksums",
     "FileRecorder",
     "Manifest",
@@ -60,6 +60,7 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "file_checksums",
+    "open_checksummed",
     "segments_of",
 ]
 
@@ -71,7 +72,7 @@ _VERSION = 1
 # A segment never spans more: a failing range stays small enough to name, and a
 # key is verified without reading much beyond it.
 MAX_SEGMENT = 16 * 1024 * 1024
-# Writes below this size are gathered before they are checksummed and written.
+# The buffer that gathers small writes before they are checksummed and written.
 SMALL_WRITE = 64 * 1024
 
 # (offset, length, crc) of one segment of a file.
@@ -198,103 +199,86 @@ def segments_of(entry: FileChecksums, start: int, end: int) -> Iterator[Segment]
             yield segment
 
 
-class ChecksummingStream(io.RawIOBase):
-    """A writable file stream that checksums what passes through; see [Note: checkpoint checksums].
+class ChecksummingFile(io.RawIOBase):
+    """A file open for writing that checksums what it writes; see [Note: checkpoint checksums].
 
-    ``tell()`` closes the current segment: DCP asks for the position before
-    and after each item it writes, so segments follow items. Writes smaller
-    than ``SMALL_WRITE`` (``torch.save`` makes dozens per tensor: zip
-    headers, the pickle) are gathered and checksummed and written together;
-    larger ones go straight through, so no tensor's bytes are copied here.
+    Used as the raw file under an ``io.BufferedWriter`` (:func:`open_checksummed`):
+    ``torch.save`` makes dozens of small writes per tensor (zip headers, the
+    pickle), which the buffered writer gathers in C; this class sees one write
+    per buffer flush, and large writes (tensor data) whole, without a copy.
+    ``tell()`` closes the current segment: DCP asks for the position before and
+    after each item it writes, right after flushing, so segments follow items.
     """
 
-    def __init__(self, raw: io.IOBase, *, max_segment: int = MAX_SEGMENT) -> None:
+    def __init__(self, file: io.RawIOBase, *, max_segment: int = MAX_SEGMENT) -> None:
         super().__init__()
-        self._raw = raw
+        self._file = file
         self._max_segment = max_segment
-        # - the file so far (``_pending`` not included)
+        # - the file so far
         self._position = 0
         self._segments: list[Segment] = []
         # - the open segment
         self._start = 0
         self._crc = 0
-        # - small writes not yet passed on
-        self._pending = bytearray()
 
     @property
     def segments(self) -> tuple[Segment, ...]:
         """The segments written so far (the open one closed first)."""
-        self._drain()
         self._cut()
         return tuple(self._segments)
 
     @property
     def size(self) -> int:
-        return self._position + len(self._pending)
+        return self._position
 
     def writable(self) -> bool:
         return True
 
-    def write(self, data: ReadableBuffer) -> int:
-        # The hot path: torch.save writes a memoryview of bytes, often a few bytes long.
-        size = data.nbytes if type(data) is memoryview else memoryview(data).nbytes
-        if size < SMALL_WRITE:
-            pending = self._pending
-            pending += data
-            if len(pending) >= SMALL_WRITE:
-                self._drain()
-            return size
-        self._drain()
-        self._pass_on(memoryview(data).cast("B"))
-        return size
-
-    def tell(self) -> int:
-        self._drain()
-        self._cut()
-        return self._position
-
     def seekable(self) -> bool:
         return False
 
-    def flush(self) -> None:
-        self._drain()
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        self.flush()
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._drain()
-            self._cut()
-            super().close()  # flushes
-            self._raw.close()
-
-    def _drain(self) -> None:
-        if self._pending:
-            self._pass_on(memoryview(self._pending))
-            self._pending = bytearray()
-
-    def _pass_on(self, view: memoryview) -> None:
-        """Write ``view`` (bytes) to the file, checksumming it segment by segment."""
+    def write(self, data: ReadableBuffer) -> int:
+        view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
             room = self._max_segment - (self._position - self._start)
             piece = view[done : done + room]
-            written = self._raw.write(piece)
-            if written != len(piece):  # a raw (unbuffered) file may write less
-                raise OSError(f"short write: {written} of {len(piece)} bytes")
+            written = 0
+            while written < len(piece):  # an unbuffered file may write less than asked
+                count = self._file.write(piece[written:])
+                if not count:
+                    raise OSError(f"could not write to {self._file}")
+                written += count
             self._crc = checksum(piece, self._crc)
             self._position += len(piece)
             done += len(piece)
             if self._position - self._start == self._max_segment:
                 self._cut()
+        return len(view)
+
+    def tell(self) -> int:
+        self._cut()
+        return self._position
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._cut()
+            super().close()
+            self._file.close()
 
     def _cut(self) -> None:
         if self._position > self._start:
             self._segments.append((self._start, self._position - self._start, self._crc))
             self._start, self._crc = self._position, 0
+
+
+def open_checksummed(path: Path) -> tuple[io.BufferedWriter, ChecksummingFile]:
+    """``path`` open for writing through a ``ChecksummingFile``: the stream, and that file."""
+    raw = ChecksummingFile(io.FileIO(path, "wb"))
+    return io.BufferedWriter(raw, buffer_size=SMALL_WRITE), raw
 
 
 class FileRecorder:
@@ -304,7 +288,7 @@ class FileRecorder:
         self._lock = threading.Lock()
         self._files: dict[str, FileChecksums] = {}
 
-    def record(self, path: Path, stream: ChecksummingStream, rank: int | None) -> None:
+    def record(self, path: Path, stream: ChecksummingFile, rank: int | None) -> None:
         entry = FileChecksums(name=path.name, rank=rank, size=stream.size, segments=stream.segments)
         with self._lock:
             self._files[path.name] = entry

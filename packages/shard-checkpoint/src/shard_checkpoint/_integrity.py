@@ -44,7 +44,6 @@ from torch.futures import Future
 from shard_checkpoint._checksums import (
     CHECKSUMS_FILE,
     CHECKSUMS_MARK,
-    ChecksummingStream,
     FileChecksums,
     FileRecorder,
     Manifest,
@@ -52,6 +51,7 @@ from shard_checkpoint._checksums import (
     Segment,
     checksum,
     decode_manifest,
+    open_checksummed,
     segments_of,
 )
 from shard_checkpoint._errors import CheckpointError, CorruptCheckpointError
@@ -419,13 +419,14 @@ class _ChecksummingFileSystem(FileSystem):
     def create_stream(
         self, path: str | os.PathLike[str], mode: str
     ) -> Generator[io.IOBase, None, None]:
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            stream = ChecksummingStream(raw)
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream, checksummed = open_checksummed(Path(path))
+        with stream:
             yield stream
-            self._recorder.record(Path(path), stream, rank=None)
+        self._recorder.record(Path(path), checksummed, rank=None)
 
 
 class ChecksummingWriter(FileSystemWriter):

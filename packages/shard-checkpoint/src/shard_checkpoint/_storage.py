@@ -453,7 +453,9 @@ def _write_checksums(
         file.write(encode_manifest(Manifest(files=merged)))
         file.flush()
         os.fsync(file.fileno())
-    _fsync_directory(staging)
+    # The staging directory itself is not synced, as DCP does not sync it for its own
+    # files: the swap syncs the parent. A file system that loses the entry anyway leaves a
+    # checkpoint whose .metadata asks for checksums it lacks: refused, never loaded.
 
 
 def _swap(staging: Path, path: Path) -> None:

@@ -55,6 +55,7 @@ from shard_checkpoint import (
     AsyncSave,
     CorruptCheckpointError,
     async_save,
+    close_async_saves,
     get_model_state_dict,
     get_optimizer_state_dict,
     latest_checkpoint,
@@ -186,10 +187,15 @@ class TrainCheckpointer:
             then(path)
 
     def finish(self) -> None:
-        """Wait for the save in flight, if any; raise its error."""
+        """Wait for the save in flight, if any, and raise its error; free the background
+        saves' CPU copy (collective: every rank, after the last save)."""
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            in_flight.result()
+        try:
+            if in_flight is not None:
+                in_flight.result()
+        finally:
+            if self.asynchronous:
+                close_async_saves()
 
 
 def save_training(
