@@ -149,7 +149,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
 from torch.futures import Future
 
-from shard_checkpoint import CheckpointError, load, save
+from shard_checkpoint import CheckpointError, CorruptCheckpointError, load, save
 from shard_comms import build_mesh
 from shard_core import plan_wraps
 from shard_core.errors import (
@@ -1096,26 +1096,28 @@ CATALOGUE: list[Kind] = [
     Kind(
         "truncated_data_file",
         "a truncated checkpoint data file",
-        CheckpointError,
-        ("is incomplete", "__0_0.distcp", "has only 100 bytes"),
-        ("a file deleted or cut short",),
-        _CKPT,
+        CorruptCheckpointError,
+        ("is corrupt", "__0_0.distcp (written by rank 0) has 100 bytes", "'model.w'"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(
         "corrupt_metadata",
         "a corrupted (cut) .metadata file",
-        CheckpointError,
-        ("is damaged: its .metadata cannot be read",),
-        ("Load an earlier checkpoint", "save this one again"),
+        CorruptCheckpointError,
+        ("is corrupt", ".metadata (written by rank 0) has 40 bytes"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(
         "corrupt_data_file",
         "a corrupted checkpoint data file (overwritten bytes)",
-        CheckpointError,
-        ("a data file of the checkpoint is damaged", "on rank 0"),
-        ("Load an earlier checkpoint",),
+        CorruptCheckpointError,
+        ("is corrupt", "__0_0.distcp (written by rank 0) does not match its checksum", "'model.w'"),
+        ("restore it from a copy",),
+        "shard-checkpoint/tests/test_integrity.py",
         where="local",
     ),
     Kind(

@@ -40,6 +40,7 @@ else:  # pragma: no cover - CI runs 3.11
 # Import name -> distribution, for the third-party modules our sources import.
 # A module missing here fails test_every_third_party_import_is_mapped: add it.
 MODULE_DISTRIBUTIONS = {
+    "crc32c": "crc32c",
     "matplotlib": "matplotlib",
     "numpy": "numpy",
     "packaging": "packaging",

@@ -78,7 +78,12 @@ def test_command_line_flags_win_over_the_file(tmp_path: Path) -> None:
         ('steps = "10"\n', "steps must be an integer, got '10'"),
         ("steps = true\n", "steps must be an integer, got True"),
         ("lr = true\n", "lr must be a number, got True"),
-        ("resume = 1\n", "resume must be true or false, got 1"),
+        (
+            "resume = 1\n",
+            "resume must be true or false, or one of latest, latest-intact, got 1",
+        ),
+        ('resume = "newest"\n', "resume must be one of latest, latest-intact, got 'newest'"),
+        ("compile = 1\n", "compile must be true or false, got 1"),
         ("data = 3\n", "data must be a string, got 3"),
         ('frontend = "ddp"\n', "frontend must be one of fully_shard, wrapper, got 'ddp'"),
         ("[train]\nsteps = 3\n", "unknown key 'train'"),

@@ -221,7 +221,7 @@ def test_killed_rank_stops_every_rank_and_resume_continues_exactly(
         text=True,
     )
     run_dir = tmp_path / "run"
-    _wait_for(run_dir / "checkpoint" / ".metadata", proc)
+    _wait_for(run_dir / "checkpoint" / "step-3" / ".metadata", proc)
     ranks = _rank_pids(proc.pid)
     os.kill(ranks[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)

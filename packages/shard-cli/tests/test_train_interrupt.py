@@ -38,7 +38,7 @@ def test_ctrl_c_stops_every_rank_and_names_the_last_checkpoint(tmp_path: Path) -
         text=True,
         start_new_session=True,
     )
-    _wait_for(tmp_path / "r" / "checkpoint" / ".metadata", proc)
+    _wait_for(tmp_path / "r" / "checkpoint" / "step-2" / ".metadata", proc)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130

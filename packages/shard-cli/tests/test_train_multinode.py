@@ -133,7 +133,8 @@ def test_readme_torchrun_command_trains_one_run_across_two_machines(tmp_path: Pa
     assert inspect_checkpoint(run_dir / "checkpoint").world_size == 2
     assert read_step(run_dir / "checkpoint") == STEPS
     assert sorted(p.name for p in run_dir.iterdir() if "checkpoint" in p.name) == ["checkpoint"]
-    assert sorted(p.name for p in (run_dir / "checkpoint").glob("*.distcp")) == [
+    assert sorted(p.name for p in (run_dir / "checkpoint").iterdir()) == [f"step-{STEPS}"]
+    assert sorted(p.name for p in (run_dir / "checkpoint" / f"step-{STEPS}").glob("*.distcp")) == [
         "__0_0.distcp",
         "__1_0.distcp",
     ]

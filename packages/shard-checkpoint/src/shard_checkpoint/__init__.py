@@ -10,14 +10,29 @@ The functional API has the names and options of
     save({"model": model_state, "optim": optim_state}, checkpoint_id="ckpt/step-100")
 """
 
+from shard_checkpoint._async import AsyncSave, async_save, close_async_saves
 from shard_checkpoint._consolidate import consolidate
-from shard_checkpoint._errors import CheckpointError, StateDictError
+from shard_checkpoint._errors import CheckpointError, CorruptCheckpointError, StateDictError
 from shard_checkpoint._export import ExportReport, export_full_state_dict
 from shard_checkpoint._model import IncompatibleKeys, get_model_state_dict, set_model_state_dict
 from shard_checkpoint._optim import get_optimizer_state_dict, set_optimizer_state_dict
 from shard_checkpoint._options import StateDictOptions
 from shard_checkpoint._state_dict import get_state_dict, set_state_dict
-from shard_checkpoint._storage import load, resolve_checkpoint, save
+from shard_checkpoint._steps import (
+    latest_checkpoint,
+    newest_intact_checkpoint,
+    prune_checkpoints,
+    step_checkpoint_id,
+    step_checkpoints,
+    step_of,
+)
+from shard_checkpoint._storage import (
+    VerifyReport,
+    load,
+    resolve_checkpoint,
+    save,
+    verify_checkpoint,
+)
 from shard_checkpoint._types import (
     FQNS_T,
     DictValueType,
@@ -29,7 +44,9 @@ from shard_checkpoint._types import (
 from shard_checkpoint._version import __version__
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
+    "CorruptCheckpointError",
     "DictValueType",
     "ExportReport",
     "FQNS_T",
@@ -40,16 +57,26 @@ __all__ = [
     "StateDictError",
     "StateDictOptions",
     "ValueType",
+    "VerifyReport",
     "__version__",
+    "async_save",
+    "close_async_saves",
     "consolidate",
     "export_full_state_dict",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_state_dict",
+    "latest_checkpoint",
     "load",
+    "newest_intact_checkpoint",
+    "prune_checkpoints",
     "resolve_checkpoint",
     "save",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "step_checkpoint_id",
+    "step_checkpoints",
+    "step_of",
+    "verify_checkpoint",
 ]

@@ -11,12 +11,13 @@ whatever the checkpoint's size.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -25,8 +26,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from shard_checkpoint._errors import CheckpointError
+from shard_checkpoint._integrity import VerifyingReader
 from shard_checkpoint._safetensors import write_safetensors
-from shard_checkpoint._storage import quiet_single_process, resolve_checkpoint
+from shard_checkpoint._storage import (
+    first_corruption,
+    newest_intact_beside,
+    quiet_single_process,
+    resolve_checkpoint,
+)
 from shard_checkpoint._torch_file import TensorPlaceholder, write_torch_file
 
 __all__ = ["consolidate"]
@@ -34,8 +41,8 @@ __all__ = ["consolidate"]
 ConsolidatedFormat = Literal["safetensors", "torch"]
 
 
-class _CachedMetadataReader(FileSystemReader):
-    """A ``FileSystemReader`` that reads ``.metadata`` once for many loads."""
+class _CachedMetadataReader(VerifyingReader):
+    """A reader that reads ``.metadata`` once for many loads, checking what it reads."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -70,9 +77,13 @@ def consolidate(
             names: ``prefix="model."`` writes the model's own state dict.
 
     Returns:
-        ``out_path`` as a ``Path``.
+        ``out_path`` as a ``Path``. It appears only once complete (written
+        beside it as ``.<name>.incomplete`` first): a failed consolidation
+        leaves no partial file, and an earlier file there as it was.
 
     Raises:
+        CorruptCheckpointError: a file of the checkpoint differs from what its
+            save wrote (every byte read is checked against its checksum).
         CheckpointError: the checkpoint is missing or incomplete, no key
             starts with ``prefix``, or (safetensors) a kept value is not a
             tensor or has a dtype safetensors cannot store.
@@ -101,6 +112,25 @@ def consolidate(
         return tensor
 
     out = Path(out_path)
+    partial = out.with_name(f".{out.name}.incomplete")
+    try:
+        _write(fmt, partial, path, entries, reader, produce)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, out)
+    return out
+
+
+def _write(
+    fmt: ConsolidatedFormat,
+    out: Path,
+    path: Path,
+    entries: dict[str, tuple[str, Any]],
+    reader: VerifyingReader,
+    produce: Callable[[str], torch.Tensor],
+) -> None:
+    """Write the file ``out`` (``consolidate`` renames it into place once complete)."""
     if fmt == "safetensors":
         specs = []
         for name, (key, entry) in entries.items():
@@ -123,16 +153,21 @@ def consolidate(
                 _load_one(reader, key, box)
                 layout[name] = box[key]
         write_torch_file(out, layout, produce)
-    return out
 
 
-def _load_one(reader: FileSystemReader, key: str, target: torch.Tensor | dict[str, Any]) -> None:
+def _load_one(reader: VerifyingReader, key: str, target: torch.Tensor | dict[str, Any]) -> None:
     """Fill ``target`` from the checkpoint: a tensor, or a dict whose ``key`` gets an object."""
     state_dict = {key: target} if isinstance(target, torch.Tensor) else target
-    with quiet_single_process():
-        dcp_load(
-            state_dict,
-            storage_reader=reader,
-            planner=DefaultLoadPlanner(),
-            no_dist=True,
-        )
+    try:
+        with quiet_single_process():
+            dcp_load(
+                state_dict,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(),
+                no_dist=True,
+            )
+    except CheckpointException as exc:
+        corrupt = first_corruption(exc)
+        if corrupt is None:
+            raise
+        raise corrupt.with_intact(newest_intact_beside(Path(reader.path))) from None

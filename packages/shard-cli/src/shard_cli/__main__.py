@@ -119,7 +119,26 @@ def _add_train(
         help=f"save every N steps and at the end; 0: at the end only ({defaults.ckpt_every})",
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue the run in --run-dir from its checkpoint"
+        "--resume",
+        nargs="?",
+        const=True,
+        choices=("latest", "latest-intact"),
+        help="continue the run in --run-dir from its newest checkpoint; latest-intact: from the "
+        "newest that passes its checksums, when the newest does not",
+    )
+    p.add_argument(
+        "--async-checkpoint",
+        dest="async_checkpoint",
+        action="store_true",
+        help="write checkpoints in the background (training waits only for a copy in memory)",
+    )
+    p.add_argument(
+        "--keep-last",
+        dest="keep_last",
+        type=int,
+        metavar="K",
+        help="keep the K newest checkpoints, removing older ones once a new one is complete "
+        "and verified (default: keep all)",
     )
     p.add_argument(
         "--sample-chars", dest="sample_chars", type=int, help="characters generated at the end"

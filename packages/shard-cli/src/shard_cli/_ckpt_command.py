@@ -3,9 +3,12 @@
 Both read only ``torch.distributed.checkpoint`` metadata and files (one
 process, no process group): ``inspect`` prints :func:`inspect_checkpoint`
 (``_ckpt_inspect.py``): every key with its full shape, dtype and size, the
-number of ranks that wrote the checkpoint and the total size;
-``consolidate`` is shard-checkpoint's streaming export to one safetensors
-or ``torch.save`` file.
+number of ranks that wrote the checkpoint and the total size, and with
+``--verify`` reads every file back against the checksums its save wrote
+(exit status 1 and the culprit named when one differs: file, rank, key, and
+the newest intact checkpoint beside it); ``consolidate`` is
+shard-checkpoint's streaming export to one safetensors or ``torch.save``
+file.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ import json
 import sys
 from typing import Any
 
-from shard_checkpoint import CheckpointError, consolidate
+from shard_checkpoint import (
+    CheckpointError,
+    CorruptCheckpointError,
+    VerifyReport,
+    consolidate,
+    verify_checkpoint,
+)
 from shard_cli._ckpt_inspect import inspect_checkpoint
 from shard_cli._format import format_bytes
 
@@ -25,6 +34,10 @@ __all__ = ["add_ckpt_parser"]
 def _inspect(args: argparse.Namespace) -> int:
     try:
         info = inspect_checkpoint(args.dir)
+        verified = verify_checkpoint(info.path) if args.verify else None
+    except CorruptCheckpointError as exc:
+        print(f"shard ckpt inspect: {exc}", file=sys.stderr)
+        return 1
     except CheckpointError as exc:
         print(f"shard ckpt inspect: {exc}", file=sys.stderr)
         return 2
@@ -45,9 +58,20 @@ def _inspect(args: argparse.Namespace) -> int:
                 for e in info.entries
             ],
         }
+        if info.steps:
+            data["steps"] = list(info.steps)
+        if verified is not None:
+            data["verified"] = {
+                "checksummed": verified.checksummed,
+                "files": verified.files,
+                "bytes": verified.bytes,
+            }
         print(json.dumps(data, indent=2))
         return 0
     width = max((len(e.key) for e in info.entries), default=3)
+    if info.steps:
+        steps = ", ".join(str(step) for step in info.steps)
+        print(f"{args.dir}: step checkpoints {steps}; the newest:")
     print(
         f"{info.path}: {len(info.entries)} keys, written by {info.world_size} rank"
         f"{'s' if info.world_size != 1 else ''}, tensors {format_bytes(info.tensor_bytes)} "
@@ -59,7 +83,21 @@ def _inspect(args: argparse.Namespace) -> int:
         if e.shape == ():
             shape = "scalar"
         print(f"  {e.key:<{width}}  {shape:<16} {e.dtype:<9} {e.nbytes:>10}  {e.chunks}")
+    if verified is not None:
+        print(_verified_line(verified))
     return 0
+
+
+def _verified_line(report: VerifyReport) -> str:
+    if not report.checksummed:
+        return (
+            f"not verified: {report.path} has no checksums (written by PyTorch's "
+            "torch.distributed.checkpoint, or before shard-checkpoint wrote them)"
+        )
+    return (
+        f"verified: every byte of its {report.files} files ({format_bytes(report.bytes)}) matches "
+        "the checksums its save wrote"
+    )
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -84,8 +122,15 @@ def add_ckpt_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     inspect = ckpt.add_parser(
         "inspect", help="keys, shapes, dtypes, writing world size and total bytes"
     )
-    inspect.add_argument("dir", help="the checkpoint directory")
+    inspect.add_argument(
+        "dir", help="the checkpoint directory (or a directory of step-<N> checkpoints: the newest)"
+    )
     inspect.add_argument("--json", action="store_true", help="print JSON")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every file and check it against its checksums (exit status 1 if one differs)",
+    )
     inspect.set_defaults(run=_inspect)
     cons = ckpt.add_parser(
         "consolidate", help="write the full tensors to one file, one tensor at a time"

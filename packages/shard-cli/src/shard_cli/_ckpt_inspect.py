@@ -2,7 +2,9 @@
 
 One process, no process group: every key with its full shape, dtype and
 size, the number of ranks that wrote the checkpoint and the total size.
-``shard ckpt inspect`` prints it (``_ckpt_command.py``).
+``shard ckpt inspect`` prints it (``_ckpt_command.py``). A directory of
+``step-<N>`` checkpoints (``shard train``'s) is described by its newest
+step; ``steps`` lists them all.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from shard_checkpoint import resolve_checkpoint
+from shard_checkpoint import resolve_checkpoint, step_checkpoints, step_of
 
 __all__ = ["CheckpointEntry", "CheckpointInfo", "inspect_checkpoint"]
 
@@ -51,6 +53,9 @@ class CheckpointInfo:
         world_size: Ranks that wrote it (from the names of its data files).
         tensor_bytes: Sum of the full tensors' sizes.
         file_bytes: Sum of the sizes of the files in the directory.
+        steps: The steps of the complete ``step-<N>`` checkpoints in the
+            directory given, when it holds those (``path`` is the newest);
+            empty for a checkpoint given itself.
     """
 
     path: Path
@@ -58,6 +63,7 @@ class CheckpointInfo:
     world_size: int
     tensor_bytes: int
     file_bytes: int
+    steps: tuple[int, ...] = ()
 
 
 def inspect_checkpoint(checkpoint_id: str | Path) -> CheckpointInfo:
@@ -67,6 +73,11 @@ def inspect_checkpoint(checkpoint_id: str | Path) -> CheckpointInfo:
         shard_checkpoint.CheckpointError: no complete checkpoint there.
     """
     path = resolve_checkpoint(checkpoint_id)
+    steps: tuple[int, ...] = ()
+    if path.parent == Path(checkpoint_id) and step_of(path) is not None:
+        steps = tuple(
+            step for p in step_checkpoints(checkpoint_id) if (step := step_of(p)) is not None
+        )
     metadata = FileSystemReader(path).read_metadata()
     entries = []
     for key, entry in metadata.state_dict_metadata.items():
@@ -99,4 +110,5 @@ def inspect_checkpoint(checkpoint_id: str | Path) -> CheckpointInfo:
         world_size=max(ranks) + 1 if ranks else 1,
         tensor_bytes=sum(e.nbytes for e in entries),
         file_bytes=sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+        steps=steps,
     )

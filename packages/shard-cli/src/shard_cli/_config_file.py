@@ -4,7 +4,8 @@
 Every flag of ``shard train`` is a key: the flag's name without its leading
 dashes, dashes written as underscores (``--run-dir`` is ``run_dir``,
 ``--nproc-per-node`` is ``nproc_per_node``, its alias ``nproc`` works too).
-A switch (``--resume``, ``--compile``) takes ``true`` or ``false``; every
+A switch (``--resume``, ``--compile``) takes ``true`` or ``false`` (and
+``--resume``, which may name what to resume from, also those names); every
 other key takes the value the flag takes, as a TOML string, integer or
 float; a repeatable flag (``--freeze``) takes a list of strings, or one
 string. Flags given on the command line win over the file. Keys are checked
@@ -50,7 +51,9 @@ def config_keys(parser: argparse.ArgumentParser) -> dict[str, ConfigKey]:
     """The keys a config file may hold for ``parser``'s flags; see [Note: config file keys]."""
     keys: dict[str, ConfigKey] = {}
     for action in parser._actions:
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse._StoreTrueAction) or (
+            action.nargs == "?" and action.const is True  # a switch that may name a choice
+        ):
             kind: type = bool
         elif isinstance(action, argparse._AppendAction):
             kind = list
@@ -77,8 +80,10 @@ def _toml_loads(text: str) -> dict[str, Any]:
 
 def _value(key: str, spec: ConfigKey, value: object, where: str) -> object:
     if spec.kind is bool:
-        ok = isinstance(value, bool)
+        ok = isinstance(value, bool) or (spec.choices is not None and isinstance(value, str))
         what = "true or false"
+        if spec.choices is not None:
+            what += f", or one of {', '.join(map(str, spec.choices))}"
     elif spec.kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
         what = "an integer"
@@ -95,7 +100,7 @@ def _value(key: str, spec: ConfigKey, value: object, where: str) -> object:
         what = "a string"
     if not ok:
         raise ValueError(f"{where}: {key} must be {what}, got {value!r}")
-    if spec.choices is not None and value not in spec.choices:
+    if spec.choices is not None and not isinstance(value, bool) and value not in spec.choices:
         allowed = ", ".join(map(str, spec.choices))
         raise ValueError(f"{where}: {key} must be one of {allowed}, got {value!r}")
     return value

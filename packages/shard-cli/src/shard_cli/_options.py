@@ -45,6 +45,8 @@ RESUMABLE_CHANGES = frozenset(
         "steps",
         "ckpt_every",
         "resume",
+        "async_checkpoint",
+        "keep_last",
         "sample_chars",
         "measure_step",
         "timeout_s",
@@ -91,7 +93,13 @@ class TrainOptions:
             ``training.png`` and ``sample.txt`` go.
         ckpt_dir: The checkpoint directory; ``None``: ``<run_dir>/checkpoint``.
         ckpt_every: Save every this many steps (and at the end); 0: only at the end.
-        resume: Continue from the checkpoint in ``ckpt_dir``.
+        resume: Continue from the newest checkpoint in ``ckpt_dir`` (``True``);
+            ``"latest-intact"``: from the newest that verifies when the newest
+            is corrupt (see ``_train_checkpoint.py``).
+        async_checkpoint: Write checkpoints in the background: training waits
+            only while the state is copied to CPU memory.
+        keep_last: Keep this many step checkpoints, removing older ones once a
+            new one is complete and verified; ``None``: keep them all.
         sample_chars: Characters of text generated at the end (0: none).
         measure_step: The first of the five steps profiled for peak memory
             and communication time; ``None``: the second step of this launch.
@@ -155,7 +163,9 @@ class TrainOptions:
     run_dir: str = "runs/shard-train"
     ckpt_dir: str | None = None
     ckpt_every: int = 50
-    resume: bool = False
+    resume: bool | Literal["latest-intact"] = False
+    async_checkpoint: bool = False
+    keep_last: int | None = None
     sample_chars: int = 200
     measure_step: int | None = None
     timeout_s: float = 300.0
@@ -217,6 +227,13 @@ class TrainOptions:
         if self.ckpt_every < 0:
             raise ValueError(
                 f"--ckpt-every must be 0 (only at the end) or more, got {self.ckpt_every}"
+            )
+        if self.resume not in (False, True, "latest-intact"):
+            raise ValueError(f"--resume takes latest or latest-intact, got {self.resume!r}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ValueError(
+                f"--keep-last must be at least 1 (the newest checkpoint), got {self.keep_last}; "
+                "leave it out to keep every checkpoint"
             )
         if self.max_restarts < 0:
             raise ValueError(
@@ -379,9 +396,11 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
         FileNotFoundError: ``resume`` without a ``config.json`` to resume.
     """
     given = {name: normalise_names(name, value) for name, value in given.items()}
+    if given.get("resume") == "latest":  # --resume latest (or in a config file): --resume
+        given["resume"] = True
     if given.get("resume"):
         stored = load_run_config(given.get("run_dir", TrainOptions.run_dir))
-        changes: dict[str, Any] = {"resume": True}
+        changes: dict[str, Any] = {"resume": given["resume"]}
         for name, value in given.items():
             if name in RESUMABLE_CHANGES:
                 changes[name] = value

@@ -105,7 +105,7 @@ from shard_cli._schedule import lr_at
 from shard_cli._strategy import compute_dtype, resolve_policy, shard_layout, shard_model
 from shard_cli._summary import RunSummary
 from shard_cli._tensorboard import MetricsWriter
-from shard_cli._train_checkpoint import launch_id, load_training, read_info, save_training
+from shard_cli._train_checkpoint import TrainCheckpointer, launch_id, load_training, read_info
 from shard_cli.gpt import GPT, GPTConfig
 from shard_comms import CommCounts, get_device_handle, init_distributed
 from shard_core.errors import CollectiveError, ShardError
@@ -432,6 +432,12 @@ class _Run:
         self.mesh_for_ckpt: DeviceMesh | None = (
             None if options.strategy == "no-shard" and options.frontend == "wrapper" else self.mesh
         )
+        self.checkpointer = TrainCheckpointer(
+            options.checkpoint_path,
+            asynchronous=options.async_checkpoint,
+            keep_last=options.keep_last,
+            resumed=bool(options.resume),
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -489,6 +495,7 @@ class _Run:
                 optim=self.optim,
                 frontend=options.frontend,
                 mesh=self.mesh_for_ckpt,
+                fallback=options.resume == "latest-intact",
             )
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -611,6 +618,7 @@ class _Run:
                 rate = tokens_per_step * (step - first + 1) / elapsed
                 self._report_step(step, loss, norm, rate, elapsed, began, progress)
             self._checkpoint_if_due(step)
+        self.checkpointer.finish()  # the last save, when written in the background
         wall = time.perf_counter() - started
         self._close_output(progress)
         rss_peak = int(handle.memory_stats().get("peak_allocated", 0))
@@ -677,12 +685,10 @@ class _Run:
         """Save after every ``--ckpt-every``-th step and after the last (collective)."""
         options = self.options
         if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
-            save_training(
-                options.checkpoint_path,
+            self.checkpointer.save(
                 model=self.model,
                 optim=self.optim,
                 frontend=options.frontend,
-                mesh=self.mesh_for_ckpt,
                 step=step,
                 world_size=self.world,
             )
