@@ -104,11 +104,11 @@ test covers the same input, that test's file:
 43. load of a checkpoint from a different model (other shapes)
     CheckpointError [load_other_shapes], also shard-checkpoint/tests/test_storage.py
 44. a truncated checkpoint data file
-    CheckpointError [truncated_data_file], also shard-checkpoint/tests/test_storage.py
+    CorruptCheckpointError [truncated_data_file], also shard-checkpoint/tests/test_integrity.py
 45. a corrupted (cut) .metadata file
-    CheckpointError [corrupt_metadata]
+    CorruptCheckpointError [corrupt_metadata], also shard-checkpoint/tests/test_integrity.py
 46. a corrupted checkpoint data file (overwritten bytes)
-    CheckpointError [corrupt_data_file]
+    CorruptCheckpointError [corrupt_data_file], also shard-checkpoint/tests/test_integrity.py
 47. an unwritable checkpoint directory (EACCES); the previous checkpoint loads
     CheckpointError [unwritable_directory]
 48. a checkpoint path under a file
