@@ -28,7 +28,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from ._workspace import DISTRIBUTIONS, ROOT
+from ._workspace import DISTRIBUTIONS, ROOT, declared_requirements
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -64,6 +64,10 @@ def _install_block(kind: str) -> list[str]:
         if installs and (("$SHARD_GIT" in block) == (kind == "git")):
             return installs
     raise AssertionError(f"README's Packages section has no {kind} install block")
+
+
+_BUILDERS = ["hatchling", "pip"]
+"""What the fresh environment builds and installs with, beside what the distributions require."""
 
 
 def _closure(names: list[str]) -> set[str]:
@@ -104,7 +108,12 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("fresh-venv")
     venv.create(root / "venv", with_pip=False)
     python = root / "venv" / "bin" / "python"
-    third_party = _closure(["torch", "numpy", "pluggy", "matplotlib", "pytest", "hatchling", "pip"])
+    declared = [
+        Requirement(text).name
+        for directory in [ROOT, *(ROOT / d for d in DISTRIBUTIONS)]
+        for text in declared_requirements(directory)
+    ]
+    third_party = _closure([n for n in declared if not n.startswith("shard-")] + _BUILDERS)
     assert not {n for n in third_party if n.startswith("shard-")}, "shard leaked into the base"
     _link_distributions(third_party, root / "base")
     purelib = subprocess.run(
