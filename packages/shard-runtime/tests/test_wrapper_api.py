@@ -297,14 +297,17 @@ TORCH_FLAT_NAMES = [
 
 def test_flat_parameters_are_named_as_in_pytorch(rank_pool: RankPool) -> None:
     """use_orig_params=False: parameters() are the flat shards under PyTorch's names; LOCAL
-    state dicts name them without wrapper segments (padded global size in the DTensors)."""
-    for result in rank_pool.run(_names, 2, False):
-        # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
-        sizes = [(52,), (226,), (226,), (226,)]
+    state dicts name them without wrapper segments, as DTensors of the unpadded flat buffer
+    (PyTorch's sizes: the last rank's piece leaves the padding out)."""
+    # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
+    totals = [103, 451, 451, 451]
+    sizes = [(52,), (226,), (226,), (226,)]
+    for rank, result in enumerate(rank_pool.run(_names, 2, False)):
         assert result["named_parameters"] == list(zip(TORCH_FLAT_NAMES, sizes, strict=True))
         assert result["parameters"] == sizes
         assert result["state_dict"] == {
-            name: ("DTensor", (2 * n,), (n,)) for name, (n,) in zip(FLAT_NAMES, sizes, strict=True)
+            name: ("DTensor", (total,), (n if rank == 0 else total - n,))
+            for name, total, (n,) in zip(FLAT_NAMES, totals, sizes, strict=True)
         }
         assert result["load_state_dict"] == "no error"
 
