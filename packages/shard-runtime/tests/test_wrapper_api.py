@@ -542,8 +542,9 @@ def test_summon_rank0_only_shows_full_parameters_on_rank_0_only(
     assert rank1["rank0_only"] == NOT_SUMMONED[orig][1]
     for result in (rank0, rank1):
         assert result["rank0_writeback"] == (
-            "NotImplementedError: summon_full_params: rank0_only=True cannot write back (other "
-            "ranks see no full parameters); pass writeback=False"
+            "NotImplementedError: summon_full_params: writeback=True and rank0_only=True is not "
+            "supported: the other ranks see no full parameters to write back; pass "
+            "writeback=False"
         )
 
 
@@ -584,9 +585,9 @@ def test_summon_with_grads_shows_the_averaged_single_process_gradient(
             torch.testing.assert_close(result["grads"][name], param.grad)
         assert result["restored"] is True
         assert result["flat"] == (
-            "NotImplementedError: summon_full_params: with_grads=True needs "
-            "use_orig_params=True, but the unit 'ToyNet' was wrapped with "
-            "use_orig_params=False; wrap with use_orig_params=True to see full gradients"
+            "NotImplementedError: summon_full_params: with_grads=True with use_orig_params=False "
+            "is not supported: the unit 'ToyNet' was wrapped with use_orig_params=False; wrap "
+            "with use_orig_params=True to see full gradients"
         )
 
 
