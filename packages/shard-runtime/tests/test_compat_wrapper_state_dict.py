@@ -506,6 +506,21 @@ def _settings_errors(impl: Impl) -> dict[str, Any]:
     out["block_raises"] = _outcome(raising)
     out["after_raise"] = fsdp.get_state_dict_type(model).state_dict_type.name
     out["no_wrapper"] = _outcome(lambda: fsdp.get_state_dict_type(nn.Linear(2, 2)))
+    meshed = _wrap(impl, "flat", mesh=True)
+    out["LOCAL with a device_mesh"] = _outcome(
+        lambda: list(_state_dict(meshed, ns, "LOCAL_STATE_DICT"))
+    )
+    # Last, on a model of their own: PyTorch fails these on every rank alike.
+    trained, _ = _trained(impl, "flat")
+    dtensors = ns.ShardedStateDictConfig(_use_dtensor=True)
+    out["_use_dtensor without a device_mesh"] = _outcome(
+        lambda: type(_state_dict(trained, ns, "SHARDED_STATE_DICT", dtensors)["head.weight"])
+    )
+    trained, _ = _trained(impl, "flat")
+    offloaded = ns.FullStateDictConfig(offload_to_cpu=True)
+    out["offload_to_cpu"] = _outcome(
+        lambda: list(_state_dict(trained, ns, "FULL_STATE_DICT", offloaded))
+    )
     return out
 
 
@@ -514,8 +529,10 @@ def test_settings_errors(rank_pool: RankPool) -> None:
     different settings make get_state_dict_type PyTorch's AssertionError with its words, naming
     the wrappers. Deliberately different: set_state_dict_type resets mixed settings (PyTorch
     refuses when the types differ), the state_dict_type block restores the settings when it
-    raises (PyTorch keeps the new ones), and a model without wrappers is a ValueError (PyTorch
-    returns None)."""
+    raises (PyTorch keeps the new ones), a model without wrappers is a ValueError (PyTorch
+    returns None), LOCAL works with a device_mesh (PyTorch refuses) and SHARDED gives DTensors
+    with _use_dtensor=True and no device_mesh (PyTorch: AttributeError). PyTorch's
+    offload_to_cpu=True fails on this CPU-only host (its bug); shard's works."""
     (theirs, _), (ours, _) = (
         rank_pool.run(_settings_errors, 2, "torch"),
         rank_pool.run(_settings_errors, 2, "shard"),
@@ -546,6 +563,29 @@ def test_settings_errors(rank_pool: RankPool) -> None:
     assert ours["set_mixed"][0] == "ok"
     assert theirs["block_raises"] == ours["block_raises"] == ("KeyError", "'in the block'")
     assert (theirs["after_raise"], ours["after_raise"]) == ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+    assert theirs["LOCAL with a device_mesh"][0] == "RuntimeError"
+    assert (
+        "DeviceMesh is not compatible with LOCAL_STATE_DICT"
+        in theirs["LOCAL with a device_mesh"][1]
+    )
+    assert ours["LOCAL with a device_mesh"] == (
+        "ok",
+        [
+            "_flat_param",
+            "scale",
+            "blocks.0._flat_param",
+            "blocks.0.shift",
+            "blocks.1._flat_param",
+            "blocks.1.shift",
+            "side.weight",
+            "side.bias",
+        ],
+    )
+    assert theirs["_use_dtensor without a device_mesh"][0] == "AttributeError"
+    assert ours["_use_dtensor without a device_mesh"][1].__name__ == "DTensor"
+    assert theirs["offload_to_cpu"][0] == "RuntimeError"  # PyTorch's bug on a CPU-only host
+    assert "out of bounds for storage of size 0" in theirs["offload_to_cpu"][1]
+    assert ours["offload_to_cpu"] == ("ok", list(Net().state_dict()))
     assert theirs["no_wrapper"] == ("ok", None)
     assert ours["no_wrapper"] == (
         "ValueError",
@@ -611,6 +651,9 @@ def _optim_state_dicts(impl: Impl, case: str) -> dict[str, Any]:
     plain, plain_optim = _plain_net()
     by_id = fsdp.rekey_optim_state_dict(full, ns.OptimStateKeyType.PARAM_ID, plain)
     out["rekey PARAM_ID"] = _nested(by_id)
+    out["rekey PARAM_ID with the wrapped model"] = _outcome(
+        lambda: _nested(fsdp.rekey_optim_state_dict(full, ns.OptimStateKeyType.PARAM_ID, model))
+    )
     plain_optim.load_state_dict(by_id)
     by_name = fsdp.rekey_optim_state_dict(
         plain_optim.state_dict(), ns.OptimStateKeyType.PARAM_NAME, plain
@@ -677,7 +720,7 @@ def test_optimizer_state_dicts_match(optim_state_dicts: dict[str, Any]) -> None:
     orig = CASES[optim_state_dicts["case"]]["orig"]
     for _, theirs, ours in _pairs(optim_state_dicts):
         for key, their in theirs.items():
-            if key in OPTIM_ROUTES or key == "continued":
+            if key in OPTIM_ROUTES or key in ("continued", "rekey PARAM_ID with the wrapped model"):
                 continue
             our = ours[key]
             if isinstance(their.get("state"), dict):
@@ -732,3 +775,15 @@ def test_pytorch_full_optimizer_state_with_original_parameters_is_wrong(
         assert {n: v for n, v in ours[name].items() if n != "exp_avg"} == {
             n: v for n, v in theirs[name].items() if n != "exp_avg"
         }
+
+
+def test_rekey_takes_the_wrapped_model_too(optim_state_dicts: dict[str, Any]) -> None:
+    """rekey_optim_state_dict(..., PARAM_ID, model) numbers the parameters as for the unwrapped
+    model also when given the wrapped one; PyTorch needs the unwrapped model: with flat
+    parameters it raises (a deliberate difference)."""
+    key = "rekey PARAM_ID with the wrapped model"
+    for _, theirs, ours in _pairs(optim_state_dicts):
+        assert ours[key] == ("ok", ours["rekey PARAM_ID"])
+        if not CASES[optim_state_dicts["case"]]["orig"]:
+            assert theirs[key][0] == "RuntimeError"
+            assert theirs[key][1].startswith("Each parameter should only map to one parameter")

@@ -180,6 +180,17 @@ def _errors(impl: Impl) -> dict[str, Any]:
                     pass
 
     out["rank0_only with writeback"] = _outcome(lambda: enter(model, rank0_only=True))
+    # What PyTorch has not implemented, and shard does (both refused before any gather there).
+    orig = _wrap(impl, orig=True)
+    _backward(orig)
+    offloaded = {"offload_to_cpu": True, "rank0_only": True, "writeback": False}
+    out["with_grads and offload_to_cpu"] = _outcome(
+        lambda: enter(orig, with_grads=True, **offloaded)
+    )
+    ns = fsdp_namespace(impl)
+    no_shard = _wrap(impl, orig=False, sharding_strategy=ns.ShardingStrategy.NO_SHARD)
+    _backward(no_shard)
+    out["offload_to_cpu with NO_SHARD"] = _outcome(lambda: enter(no_shard, **offloaded))
     out["with_grads, flat parameters"] = _outcome(lambda: enter(model, with_grads=True))
     out["again inside"] = _outcome(lambda: enter(model, model))
     out["root inside inner"] = _outcome(lambda: enter(model.blocks[0], model))
@@ -250,12 +261,19 @@ def test_summon_full_params_errors_carry_pytorchs_words(rank_pool: RankPool) -> 
     """Invalid calls raise PyTorch's exception types, shard's messages naming the fix and
     carrying the words PyTorch's tests match ("is not supported", "Cannot manually unshard
     parameters during forward/backward"); entering it again inside is an AssertionError. Both
-    warn that offload_to_cpu without rank0_only copies the model to every rank."""
+    warn that offload_to_cpu without rank0_only copies the model to every rank. shard runs
+    with_grads with offload_to_cpu and offload_to_cpu with NO_SHARD, which PyTorch refuses as
+    not implemented yet (a deliberate difference)."""
     theirs = rank_pool.run(_errors, 2, "torch")[0]
     ours = rank_pool.run(_errors, 2, "shard")[0]
+    extensions = ("with_grads and offload_to_cpu", "offload_to_cpu with NO_SHARD")
     for key, outcome in theirs.items():
-        if not key.startswith("offload"):
+        if not key.startswith("offload") and key not in extensions:
             assert (key, ours[key][0]) == (key, outcome[0])
+    for key in extensions:  # deliberate: shard does what PyTorch has not implemented
+        assert theirs[key][0] == "NotImplementedError"
+        assert theirs[key][1].endswith("is not supported yet")
+        assert ours[key] == ("ok", None)
     assert theirs["rank0_only with writeback"][1] == (
         "writeback=True and rank0_only=True is not supported yet"
     )
