@@ -75,8 +75,10 @@ class StateDictMethods:
         Keys are the unwrapped model's. ``FULL_STATE_DICT`` (the default, as in
         PyTorch): full tensors, gathered one unit at a time. ``SHARDED_STATE_DICT``:
         ``Shard(0)`` DTensors cut like ``torch.chunk``. ``LOCAL_STATE_DICT``:
-        each unit's flat shard (padding left out) as a ``Shard(0)`` DTensor
-        under ``<wrapper>._flat_param``, no communication. Every rank of the
+        each unit's flat shard as a ``Shard(0)`` DTensor under
+        ``<wrapper>._flat_param`` (PyTorch's layout: without the padding that
+        evens out the shards, but with ``use_orig_params``), and buffers as
+        the model holds them, no communication. Every rank of the
         wrapper's groups takes part; ``prefix`` and ``destination`` work as for
         any module, so a parent module's ``state_dict()`` gets the same keys
         under the wrapper's name.
