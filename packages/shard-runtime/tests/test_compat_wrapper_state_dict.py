@@ -416,6 +416,27 @@ def _cross_loads(case: str) -> dict[str, Any]:
             _step(loaded, None, 1),
             _step(model, None, 1),
         )
+    # One element on two ranks: rank 1's ShardedTensor holds no piece (PyTorch's
+    # test_local_state_dict_with_empty_ranks).
+    for kind in ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        models = {}
+        for impl in ("torch", "shard"):
+            ns = fsdp_namespace(impl)
+            kwargs = {"device_id": torch.device("cpu")} if impl == "torch" else {}
+            torch.manual_seed(impl == "shard")
+            models[impl] = ns.FullyShardedDataParallel(nn.Linear(1, 1, bias=False), **kwargs)
+        state = _state_dict(models["torch"], fsdp_namespace("torch"), kind)
+        shard_ns = fsdp_namespace("shard")
+        with shard_ns.FullyShardedDataParallel.state_dict_type(
+            models["shard"], shard_ns.StateDictType[kind]
+        ):
+            result = models["shard"].load_state_dict(state)
+        out[f"{kind} one element"] = (
+            result.missing_keys,
+            result.unexpected_keys,
+            float(models["shard"](torch.ones(1))),
+            float(models["torch"](torch.ones(1))),
+        )
     return out
 
 
@@ -423,10 +444,10 @@ def _cross_loads(case: str) -> dict[str, Any]:
 def test_state_dicts_load_across_libraries(rank_pool: RankPool, case: str) -> None:
     """PyTorch's FULL state dict loads into shard's wrapper and shard's into PyTorch's, SHARDED
     DTensors both ways (wrappers given a device_mesh), and PyTorch's ShardedTensors (SHARDED,
-    and LOCAL for flat parameters) into shard's: no missing or unexpected key, and the next loss
-    is the source model's."""
+    and LOCAL for flat parameters, also where a rank holds no piece) into shard's: no missing
+    or unexpected key, and the next loss (output) is the source model's."""
     for result in rank_pool.run(_cross_loads, 2, case):
-        assert len(result) == 5 + (not CASES[case]["orig"])
+        assert len(result) == 7 + (not CASES[case]["orig"])
         for route, (missing, unexpected, loss, source_loss) in result.items():
             assert (route, missing, unexpected, loss) == (route, [], [], source_loss)
 

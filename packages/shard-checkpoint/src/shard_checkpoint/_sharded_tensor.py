@@ -64,7 +64,7 @@ def _as_dtensor(value: Any, meshes: dict[int, DeviceMesh], key: str) -> DTensor:
     group = value._process_group
     shape = tuple(value.size())
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    shards = value.local_shards()
+    shards = [s for s in value.local_shards() if s.tensor.numel()]  # a rank past the chunks
     rows = dim0_chunk_range(shape[0], rank, world) if shape else range(0)
     expected = [(rows.start, *([0] * (len(shape) - 1)))] if len(rows) else []
     offsets = [tuple(s.metadata.shard_offsets) for s in shards]
