@@ -398,3 +398,88 @@ def test_cpu_without_device_id() -> None:
         "FSDP needs a non-CPU accelerator device, but no accelerator device is detected.",
     )
     assert _without_device_id("shard") == ("ok", "FullyShardedDataParallel")
+
+
+class _Reorderable(nn.Module):
+    """Two equal-sized units run in ``order``: all-gathers of either one pair up silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 6)
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.order = [0, 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for index in self.order:
+            x = torch.relu(self.blocks[index](x))
+        return x
+
+
+def _execution_order(impl: Impl) -> dict[str, Any]:
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL (set_debug_level): the forward order checks."""
+    fsdp = fsdp_namespace(impl).FullyShardedDataParallel
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        module = _Reorderable()
+        for i in range(2):
+            module.blocks[i] = fsdp(module.blocks[i], **_kwargs(impl))
+        wrapped: nn.Module = fsdp(module, **_kwargs(impl))
+        return wrapped
+
+    def iterations(model: nn.Module, orders: list[list[int]], train: bool = True) -> list[Any]:
+        seen = []
+        for step, order in enumerate(orders):
+            model.module.order = order
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if train:
+                    model(_input(step)).sum().backward()
+                else:
+                    with torch.no_grad():
+                        model(_input(step))
+            seen.append([str(w.message) for w in caught if "order" in str(w.message)])
+        return seen
+
+    out: dict[str, Any] = {}
+    try:
+        swapped = [1, 0] if dist.get_rank() == 1 else [0, 1]
+        out["ranks differ"] = _outcome(lambda: iterations(build(), [swapped]))
+        out["all change later"] = iterations(build(), [[0, 1], [1, 0], [1, 0]])
+        out["train then eval"] = iterations(build(), [[0, 1]] * 2) + iterations(
+            build(), [[0, 1]] * 2, train=False
+        )
+    finally:
+        dist.set_debug_level(previous)
+    return out
+
+
+def test_execution_order_checks_under_torch_distributed_debug_detail(rank_pool: RankPool) -> None:
+    """With PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL, as under PyTorch: a first iteration whose
+    order differs across ranks raises RuntimeError on every rank (before the mismatched
+    all-gather; PyTorch's test matches "^Forward order differs across ranks"), a later order
+    change warns once per rank with the words PyTorch's test matches, and same-order training
+    and eval iterations stay silent. shard names the units and the position; it runs the same
+    check with SHARD_DEBUG=detail (and then for fully_shard too), and warns once where PyTorch
+    warns at each changed position of that iteration."""
+    theirs = rank_pool.run(_execution_order, 2, "torch")
+    ours = rank_pool.run(_execution_order, 2, "shard")
+    for rank, (their, our) in enumerate(zip(theirs, ours, strict=True)):
+        assert their["ranks differ"][0] == our["ranks differ"][0] == "RuntimeError"
+        for result in (their, our):
+            assert result["ranks differ"][1].startswith("Forward order differs across ranks")
+        assert "rank 0 runs 'blocks.0', rank 1 runs 'blocks.1'" in our["ranks differ"][1]
+        for result in (their, our):
+            first, changed, after = result["all change later"]
+            assert (first, after) == ([], [])
+            prefix = (
+                f"Forward order differs from that of the first iteration on rank {rank}. "
+                "Collectives are unchecked and may give incorrect results or hang"
+            )
+            assert changed
+            assert all(message.startswith(prefix) for message in changed)
+            assert result["train then eval"] == [[]] * 4
+        assert len(our["all change later"][1]) == 1

@@ -177,10 +177,12 @@ def test_later_deviation_warns_once_on_the_deviating_rank(rank_pool: RankPool) -
     assert rank1["error"] is None
     assert rank1["all_gathers"] == 5
     assert rank1["warnings"] == [
-        "UserWarning: Forward order on rank 1 changed since the first iteration at unit position "
-        "1: this iteration runs 'layers.1' where the first ran 'layers.0'. Only the first "
-        "iteration is checked across ranks (SHARD_DEBUG=detail); if the other ranks did not "
-        "change alike, all-gathers pair up wrongly. This warning is shown once."
+        "UserWarning: Forward order differs from that of the first iteration on rank 1. "
+        "Collectives are unchecked and may give incorrect results or hang: at unit position 1 "
+        "this iteration runs 'layers.1' where the first ran 'layers.0'. Only the first "
+        "iteration is checked across ranks (SHARD_DEBUG=detail or "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL); if the other ranks did not change alike, all-gathers "
+        "pair up wrongly. This warning is shown once."
     ]
 
 
@@ -198,10 +200,12 @@ def test_later_length_change_warns_without_collectives_on_one_rank(
     (result,) = rank_pool.run(_run, 1, [[["a", "b"], second]], ["detail"] * 2)
     assert result["all_gathers"] == 0
     assert result["warnings"] == [
-        f"UserWarning: Forward order on rank 0 changed since the first iteration at unit position "
-        f"{position}: this iteration runs {runs} where the first ran {first_ran}. Only the first "
-        f"iteration is checked across ranks (SHARD_DEBUG=detail); if the other ranks did not "
-        f"change alike, all-gathers pair up wrongly. This warning is shown once."
+        f"UserWarning: Forward order differs from that of the first iteration on rank 0. "
+        f"Collectives are unchecked and may give incorrect results or hang: at unit position "
+        f"{position} this iteration runs {runs} where the first ran {first_ran}. Only the first "
+        f"iteration is checked across ranks (SHARD_DEBUG=detail or "
+        f"TORCH_DISTRIBUTED_DEBUG=DETAIL); if the other ranks did not change alike, all-gathers "
+        f"pair up wrongly. This warning is shown once."
     ]
 
 

@@ -64,6 +64,7 @@ PLUMBING = [
     "is_tensor_subclass",
     "original_buffer_dtypes",
     "plan_units",
+    "raw_module_state_dicts",
     "resolve_wrap_policy",
 ]
 

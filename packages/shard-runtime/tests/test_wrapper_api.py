@@ -297,14 +297,17 @@ TORCH_FLAT_NAMES = [
 
 def test_flat_parameters_are_named_as_in_pytorch(rank_pool: RankPool) -> None:
     """use_orig_params=False: parameters() are the flat shards under PyTorch's names; LOCAL
-    state dicts name them without wrapper segments (padded global size in the DTensors)."""
-    for result in rank_pool.run(_names, 2, False):
-        # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
-        sizes = [(52,), (226,), (226,), (226,)]
+    state dicts name them without wrapper segments, as DTensors of the unpadded flat buffer
+    (PyTorch's sizes: the last rank's piece leaves the padding out)."""
+    # root: embed 60 + 10, head 30 + 3 = 103 -> 52; a block: 210 + 21 + 210 + 10 = 451 -> 226
+    totals = [103, 451, 451, 451]
+    sizes = [(52,), (226,), (226,), (226,)]
+    for rank, result in enumerate(rank_pool.run(_names, 2, False)):
         assert result["named_parameters"] == list(zip(TORCH_FLAT_NAMES, sizes, strict=True))
         assert result["parameters"] == sizes
         assert result["state_dict"] == {
-            name: ("DTensor", (2 * n,), (n,)) for name, (n,) in zip(FLAT_NAMES, sizes, strict=True)
+            name: ("DTensor", (total,), (n if rank == 0 else total - n,))
+            for name, total, (n,) in zip(FLAT_NAMES, totals, sizes, strict=True)
         }
         assert result["load_state_dict"] == "no error"
 
@@ -539,8 +542,9 @@ def test_summon_rank0_only_shows_full_parameters_on_rank_0_only(
     assert rank1["rank0_only"] == NOT_SUMMONED[orig][1]
     for result in (rank0, rank1):
         assert result["rank0_writeback"] == (
-            "NotImplementedError: summon_full_params: rank0_only=True cannot write back (other "
-            "ranks see no full parameters); pass writeback=False"
+            "NotImplementedError: summon_full_params: writeback=True and rank0_only=True is not "
+            "supported: the other ranks see no full parameters to write back; pass "
+            "writeback=False"
         )
 
 
@@ -581,9 +585,9 @@ def test_summon_with_grads_shows_the_averaged_single_process_gradient(
             torch.testing.assert_close(result["grads"][name], param.grad)
         assert result["restored"] is True
         assert result["flat"] == (
-            "NotImplementedError: summon_full_params: with_grads=True needs "
-            "use_orig_params=True, but the unit 'ToyNet' was wrapped with "
-            "use_orig_params=False; wrap with use_orig_params=True to see full gradients"
+            "NotImplementedError: summon_full_params: with_grads=True with use_orig_params=False "
+            "is not supported: the unit 'ToyNet' was wrapped with use_orig_params=False; wrap "
+            "with use_orig_params=True to see full gradients"
         )
 
 

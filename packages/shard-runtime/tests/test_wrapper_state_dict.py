@@ -188,12 +188,17 @@ def test_registry_without_a_backend_says_to_install_shard_checkpoint() -> None:
 
 
 def test_settings_check_the_config_kind() -> None:
-    """A config of another type's kind is refused, naming both; defaults fill the rest."""
+    """A config of another type's kind is PyTorch's RuntimeError, with the words its test matches,
+    naming both and the fix; defaults fill the rest."""
     settings = StateDictSettings.of(FULL)
     assert settings.state_dict_config == FullStateDictConfig()
     with pytest.raises(
-        ValueError,
-        match=r"^FULL_STATE_DICT takes a FullStateDictConfig, got LocalStateDictConfig$",
+        RuntimeError,
+        match=(
+            r"^Expected state_dict_config of type FullStateDictConfig but got "
+            r"LocalStateDictConfig: FULL_STATE_DICT takes a FullStateDictConfig; pass "
+            r"FullStateDictConfig\(\.\.\.\) or None for its defaults$"
+        ),
     ):
         StateDictSettings.of(FULL, LocalStateDictConfig())
     with pytest.raises(TypeError, match=r"state_dict_type must be a StateDictType, got 'full'"):

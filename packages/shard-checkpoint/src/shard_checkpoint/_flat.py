@@ -69,16 +69,23 @@ def chunk_of(full: torch.Tensor, unit: FlatUnit, *, offload_to_cpu: bool) -> DTe
 def local_flat(unit: FlatUnit, value: torch.Tensor, *, key: str) -> torch.Tensor:
     """This rank's flat shard from a LOCAL state dict's value for ``key``.
 
-    A DTensor laid out like the unit (same padded size, same shard count) is
-    used as it is; one written by another number of ranks is gathered and
-    cut again (the layout without padding does not depend on the world
-    size). A plain tensor must be this rank's shard.
+    A DTensor laid out like the unit (the unpadded flat buffer, or the padded
+    one earlier versions wrote, over the same shard count) gives its local
+    piece, padded back to the shard's size; one written by another number of
+    ranks is gathered and cut again (the layout without padding does not
+    depend on the world size). A plain tensor must be this rank's shard, with
+    or without its padding.
     """
     n = unit.shard_numel
     if isinstance(value, DTensor):
         shards = value.device_mesh.size(value.device_mesh.ndim - 1)
-        if shards == unit.world and value.shape[0] == n * unit.world:
-            return value.to_local()
+        if shards == unit.world and value.shape[0] in (unit.layout.total_numel, n * unit.world):
+            local = value.to_local()
+            if local.numel() == n:
+                return local
+            padded = local.new_zeros(n)
+            padded[: local.numel()].copy_(local)
+            return padded
         with torch.no_grad():
             full = value.full_tensor()
         if full.dim() != 1 or full.numel() < unit.layout.total_numel:
@@ -88,6 +95,11 @@ def local_flat(unit: FlatUnit, value: torch.Tensor, *, key: str) -> torch.Tensor
                 "of the same model and wrapping"
             )
         return unit.layout.shard(full, unit.rank, unit.world)
+    valid = len(dim0_chunk_range(unit.layout.total_numel, unit.rank, unit.world))
+    if value.dim() == 1 and value.numel() == valid < n:  # the unpadded piece (to_local())
+        padded = value.new_zeros(n)
+        padded[:valid].copy_(value)
+        return padded
     if value.dim() != 1 or value.numel() != n:
         raise StateDictError(
             f"{key!r} holds {value.numel()} elements, but this rank's shard of the unit holds "

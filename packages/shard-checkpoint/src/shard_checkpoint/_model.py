@@ -10,7 +10,8 @@ DTensor cut like ``torch.chunk``; a full one gathers each value on its own,
 so a rank holds at most one unit's (or one tensor's) gathered values beyond
 what it keeps; with ``cpu_offload`` only rank 0 keeps them. A local one
 (the wrapper's ``LOCAL_STATE_DICT``) holds each wrapper unit's flat shard as
-it is, under ``<wrapper>._flat_param``.
+it is, under ``<wrapper>._flat_param``, and buffers in the dtype the model
+holds them in (as PyTorch's does: mixed precision's ``buffer_dtype`` shows).
 
 [Note: loading one tensor at a time]
 Loading never builds the full model on a rank that does not already have it.
@@ -64,6 +65,7 @@ from shard_checkpoint._options import (
     warn_submodules_deprecated,
 )
 from shard_checkpoint._tensors import full_value, local_chunk, same_layout, shard_like, to_cpu
+from shard_core import dim0_chunk_range
 from shard_runtime import FSDPModule
 from shard_runtime.plumbing import (
     FlatUnit,
@@ -71,6 +73,7 @@ from shard_runtime.plumbing import (
     contiguous_dtensor,
     flat_units,
     original_buffer_dtypes,
+    raw_module_state_dicts,
 )
 
 __all__ = [
@@ -101,7 +104,8 @@ class Kind(enum.Enum):
     FULL = enum.auto()
     # ``Shard(0)`` DTensors per parameter.
     SHARDED = enum.auto()
-    # Wrapper units as their flat shards (``<wrapper>._flat_param``); the rest as SHARDED.
+    # Wrapper units as their flat shards (``<wrapper>._flat_param``); the rest as SHARDED, but
+    # buffers as the model holds them.
     LOCAL = enum.auto()
 
 
@@ -427,7 +431,7 @@ def model_state_dict(
         if not keep:
             continue
         if isinstance(value, torch.Tensor):
-            if key in dtypes:
+            if key in dtypes and kind is not Kind.LOCAL:
                 value = value.to(dtypes[key])
             if offload_to_cpu:
                 value = to_cpu(value)
@@ -437,12 +441,20 @@ def model_state_dict(
 
 
 def _local_dtensor(unit: FlatUnit, offload_to_cpu: bool) -> DTensor:
-    """The unit's flat shard as a DTensor of ``world * shard_numel`` elements (padding included)."""
-    local = unit.shard.detach()
+    """The unit's flat shard as a ``Shard(0)`` DTensor of the flat buffer, the layout of PyTorch's
+    ``LOCAL_STATE_DICT`` (a ShardedTensor there).
+
+    The padding that evens out the shards sits at the end of the flat buffer,
+    so leaving it out of each rank's shard gives ``torch.chunk``'s pieces of
+    the unpadded buffer. With ``use_orig_params=True`` PyTorch counts that
+    padding as part of its flat parameter (it pads for alignment there), so
+    the shards are kept whole.
+    """
+    total = unit.world * unit.shard_numel if unit.use_orig_params else unit.layout.total_numel
+    local = unit.shard.detach()[: len(dim0_chunk_range(total, unit.rank, unit.world))]
     if offload_to_cpu:
         local = local.cpu()
     mesh = unit.mesh
-    total = unit.world * unit.shard_numel
     return contiguous_dtensor(local, mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)], [total])
 
 
@@ -450,7 +462,9 @@ def plain_entries(model: nn.Module, units: list[FlatUnit], *, keep_vars: bool) -
     """``nn.Module.state_dict`` under clean keys, without what wrapper units hold."""
     owned = {key for unit in units for param in unit.params for key in param.keys}
     entries: dict[str, Any] = {}
-    for key, value in nn.Module.state_dict(model, keep_vars=keep_vars).items():
+    with raw_module_state_dicts():  # See [Note: raw module state dicts] in shard_runtime
+        raw = nn.Module.state_dict(model, keep_vars=keep_vars)
+    for key, value in raw.items():
         clean = clean_fqn(key)
         if clean in owned or clean == FLAT_PARAM or clean.endswith("." + FLAT_PARAM):
             continue
@@ -545,7 +559,7 @@ def load_model_state_dict(
             for key in targets
             if key in state_dict
         }
-    with torch.no_grad():
+    with torch.no_grad(), raw_module_state_dicts():
         nn.Module.load_state_dict(model, prepared, strict=False)
     return IncompatibleKeys(missing_keys=missing, unexpected_keys=unexpected)
 

@@ -71,11 +71,11 @@ def rekey_optimizer_state_dict(
             return order[key]
 
     # ``Optimizer.load_state_dict`` pairs parameters by their order in the groups:
-    # positions go in ascending order, as a plain optimizer lists them.
+    # positions go in ascending order, as a plain optimizer lists them. Names are
+    # sorted too, as PyTorch lists them (loading matches names, not places).
     groups = []
     for group in optim_state_dict[GROUPS]:
-        keys = [rekey(k) for k in group[PARAMS]]
-        groups.append({**group, PARAMS: sorted(keys) if key_type == "PARAM_ID" else keys})
+        groups.append({**group, PARAMS: sorted(rekey(k) for k in group[PARAMS])})
     state = {rekey(k): v for k, v in optim_state_dict[STATE].items()}
     if key_type == "PARAM_ID":
         state = dict(sorted(state.items()))

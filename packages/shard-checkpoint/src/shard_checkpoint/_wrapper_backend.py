@@ -5,6 +5,8 @@ registry for a :class:`~shard_core.protocols.StateDictBackend` and this
 module answers (``shard_checkpoint.plugin``). Everything is the functional
 API's own code (``_model.py``, ``_optim*.py``) under the wrapper's names:
 ``StateDictType`` members arrive as their names, config options as keywords.
+State dicts to load may hold PyTorch's ``ShardedTensor`` s (its wrapper's
+sharded and local state dicts): they load as the DTensors they describe.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 from shard_checkpoint._model import Caller, Kind, load_model_state_dict, model_state_dict
 from shard_checkpoint._optim import optimizer_state_dict, optimizer_state_dict_to_load
 from shard_checkpoint._optim_rekey import rekey_optimizer_state_dict
+from shard_checkpoint._sharded_tensor import dtensors_for_sharded_tensors
 
 __all__ = ["WrapperStateDictBackend"]
 
@@ -64,7 +67,7 @@ class WrapperStateDictBackend:
         """Load a state dict of that type into ``module``'s shards, one unit at a time."""
         missing, unexpected = load_model_state_dict(
             module,
-            state_dict,
+            dtensors_for_sharded_tensors(state_dict),
             _kind(state_dict_type),
             strict=strict,
             broadcast_from_rank0=False,
@@ -104,7 +107,7 @@ class WrapperStateDictBackend:
         (loadable,) = optimizer_state_dict_to_load(
             module,
             optim,
-            optim_state_dict,
+            dtensors_for_sharded_tensors(optim_state_dict),
             strict=True,
             broadcast_from_rank0=broadcast_from_rank0,
         )

@@ -35,6 +35,14 @@ with shape-dependent state) relies on it. The piece is then a view of the
 whole parameter's slice of the shard, so nothing else changes: the shard
 stays the storage, and code that walks the shard reshapes pieces by numel.
 
+[Note: Alignment of original parameters]
+With ``use_orig_params=True`` each original parameter starts at a multiple
+of 16 bytes of the buffer the unit computes with, as in PyTorch's wrapper
+(compiled kernels want aligned views): the alignment counts elements of the
+compute dtype (mixed precision's ``param_dtype``, 8 elements for bf16), not
+of the stored one, so the layout (and the ``LOCAL_STATE_DICT`` shapes) are
+PyTorch's with mixed precision too.
+
 [Note: Writes under autograd's eye]
 The all-gather writes into the flat unsharded parameter, whose views autograd
 may have saved during forward; the values written are the ones it saved, so
@@ -97,6 +105,7 @@ class FlatBufferLayout:
         shard_device: torch.device,
         use_orig_params: bool,
         keep_low_precision_grads: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.specs = specs
         self.rank = rank
@@ -120,8 +129,8 @@ class FlatBufferLayout:
             self.shard = torch.empty(0, device=shard_device)
             return
         dtype = specs[0].param.dtype
-        element = torch.empty((), dtype=dtype).element_size()
-        # PyTorch aligns every original parameter to 16 bytes when they stay visible.
+        # See [Note: Alignment of original parameters].
+        element = torch.empty((), dtype=compute_dtype or dtype).element_size()
         alignment = max(1, 16 // element) if use_orig_params else 1
         self.flat_layout = FlatLayout.from_specs(
             [ParamSpec(s.fqn, tuple(s.param.shape)) for s in specs],

@@ -5,8 +5,11 @@ with whatever collective the peers issue next. If one rank runs the units in
 another order (a data-dependent branch that skips or swaps a module), the
 all-gathers of different units pair up: training hangs, fails far from the
 cause, or silently mixes parameters of different units when the sizes agree.
-With ``SHARD_DEBUG=detail`` the root's :class:`ForwardOrderChecker` turns that
-into an error on every rank naming the position and the unit each rank runs.
+With ``SHARD_DEBUG=detail``, or PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+(which turns on the same check in PyTorch's ``FullyShardedDataParallel``), the
+root's :class:`ForwardOrderChecker` turns that into an error on every rank
+naming the position and the unit each rank runs; its messages begin with
+PyTorch's words.
 
 [Note: Checking before the mismatched all-gather]
 Comparing whole sequences at the end of the iteration would be too late: the
@@ -29,8 +32,8 @@ order changes: the peers are not consulted, so a change that every rank makes
 alike is harmless, and one that differs across ranks can only be diagnosed by
 its warning. Nothing at all runs when the check is disabled.
 
-The env var is read at the start of each iteration; like every setting that
-decides which collectives run, it must be the same on every rank.
+The switches are read at the start of each iteration; like every setting that
+decides which collectives run, they must be the same on every rank.
 """
 
 from __future__ import annotations
@@ -53,8 +56,18 @@ _KIND_UNIT = 1  # the rank is about to all-gather a unit; the second int64 is it
 
 
 def order_check_enabled() -> bool:
-    """Whether ``SHARD_DEBUG`` asks for the forward-order check (``detail``, any case)."""
-    return os.environ.get(_ENV, "").strip().lower() == _DETAIL
+    """Whether the forward-order check is asked for.
+
+    ``SHARD_DEBUG=detail`` (any case), or PyTorch's debug level ``DETAIL``
+    (``TORCH_DISTRIBUTED_DEBUG=DETAIL`` or ``dist.set_debug_level``).
+    """
+    if os.environ.get(_ENV, "").strip().lower() == _DETAIL:
+        return True
+    if not dist.is_available():
+        return False
+    from torch.distributed.distributed_c10d import DebugLevel, get_debug_level
+
+    return bool(get_debug_level() == DebugLevel.DETAIL)
 
 
 def _digest(label: str) -> int:
@@ -195,10 +208,11 @@ class ForwardOrderChecker:
         self._warned = True
         rank = dist.get_rank() if dist.is_initialized() else 0
         warnings.warn(
-            f"Forward order on rank {rank} changed since the first iteration at unit position "
-            f"{position}: this iteration runs {_describe(label)} where the first ran "
+            f"Forward order differs from that of the first iteration on rank {rank}. "
+            f"Collectives are unchecked and may give incorrect results or hang: at unit "
+            f"position {position} this iteration runs {_describe(label)} where the first ran "
             f"{_describe(expected)}. Only the first iteration is checked across ranks "
-            f"(SHARD_DEBUG=detail); if the other ranks did not change alike, all-gathers pair "
-            f"up wrongly. This warning is shown once.",
+            f"(SHARD_DEBUG=detail or TORCH_DISTRIBUTED_DEBUG=DETAIL); if the other ranks did "
+            f"not change alike, all-gathers pair up wrongly. This warning is shown once.",
             stacklevel=3,
         )

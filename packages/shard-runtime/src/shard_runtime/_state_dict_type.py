@@ -4,17 +4,34 @@ The configs are mutable dataclasses with PyTorch's fields, defaults and field
 order, so code that builds one and then sets ``config.rank0_only = True``
 runs unchanged. The type and its config are set on every wrapper of a model
 (``FullyShardedDataParallel.set_state_dict_type`` or the
-``state_dict_type`` context manager); the root wrapper's ``state_dict()``
-and ``load_state_dict()`` honour them. Full and sharded state dicts are
-built by shard-checkpoint, reached through the plugin registry.
+``state_dict_type`` context manager); every wrapper's ``state_dict()`` and
+``load_state_dict()`` honour them, called directly or by a parent module.
+Full and sharded state dicts are built by shard-checkpoint, reached through
+the plugin registry.
+
+[Note: raw module state dicts]
+A wrapper's ``state_dict()`` and ``load_state_dict()`` speak the unwrapped
+model's keys, also when a plain parent module reaches them (a user's
+container, ``DistributedDataParallel``). The code that builds those state
+dicts in turn walks the model with ``nn.Module.state_dict`` and
+``nn.Module.load_state_dict`` to collect buffers and parameters no unit
+holds; inside :func:`raw_module_state_dicts` the wrappers answer that walk
+as plain modules (their flat parameter, the ``_fsdp_wrapped_module``
+segments), instead of starting a state dict of their own in the middle of
+one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
+
+from shard_runtime._wrapper_names import clean_fqn
 
 __all__ = [
     "FullOptimStateDictConfig",
@@ -28,10 +45,32 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "raw_module_state_dicts",
+    "raw_state_dicts_active",
     "settings_of",
 ]
 
 _SETTINGS = "_state_dict_settings"
+
+_RAW: contextvars.ContextVar[bool] = contextvars.ContextVar("shard_raw_state_dicts", default=False)
+
+
+@contextlib.contextmanager
+def raw_module_state_dicts() -> Iterator[None]:
+    """Inside, wrappers answer ``state_dict``/``load_state_dict`` walks as plain modules.
+
+    See [Note: raw module state dicts].
+    """
+    token = _RAW.set(True)
+    try:
+        yield
+    finally:
+        _RAW.reset(token)
+
+
+def raw_state_dicts_active() -> bool:
+    """Whether a :func:`raw_module_state_dicts` block is running in this context."""
+    return _RAW.get()
 
 
 class StateDictType(enum.Enum):
@@ -180,7 +219,12 @@ class StateDictSettings:
         state_dict_config: StateDictConfig | None = None,
         optim_state_dict_config: OptimStateDictConfig | None = None,
     ) -> StateDictSettings:
-        """Settings for ``state_dict_type``, checking that each config is of its kind."""
+        """Settings for ``state_dict_type``, checking that each config is of its kind.
+
+        Raises:
+            TypeError: ``state_dict_type`` is not a ``StateDictType``.
+            RuntimeError: a config of another type's kind (PyTorch's error and words).
+        """
         if not isinstance(state_dict_type, StateDictType):
             raise TypeError(
                 f"state_dict_type must be a StateDictType, got {state_dict_type!r}; use "
@@ -190,13 +234,16 @@ class StateDictSettings:
         config = state_dict_config if state_dict_config is not None else config_cls()
         optim = optim_state_dict_config if optim_state_dict_config is not None else optim_cls()
         if type(config) is not config_cls:
-            raise ValueError(
-                f"{state_dict_type.name} takes a {config_cls.__name__}, got {type(config).__name__}"
+            raise RuntimeError(
+                f"Expected state_dict_config of type {config_cls.__name__} but got "
+                f"{type(config).__name__}: {state_dict_type.name} takes a {config_cls.__name__}; "
+                f"pass {config_cls.__name__}(...) or None for its defaults"
             )
         if type(optim) is not optim_cls:
-            raise ValueError(
-                f"{state_dict_type.name} takes a {optim_cls.__name__} as its optimizer config, "
-                f"got {type(optim).__name__}"
+            raise RuntimeError(
+                f"Expected optim_state_dict_config of type {optim_cls.__name__} but got "
+                f"{type(optim).__name__}: {state_dict_type.name} takes a {optim_cls.__name__} as "
+                f"its optimizer config; pass {optim_cls.__name__}(...) or None for its defaults"
             )
         return cls(state_dict_type, config, optim)
 
@@ -205,18 +252,35 @@ def settings_of(module: nn.Module) -> StateDictSettings:
     """The state-dict settings of the wrappers in ``module``'s tree.
 
     Raises:
-        ValueError: ``module`` holds no wrapper, or its wrappers disagree.
+        ValueError: ``module`` holds no wrapper.
+        AssertionError: its wrappers disagree (PyTorch's error and words).
     """
-    found = [m.__dict__[_SETTINGS] for m in module.modules() if _SETTINGS in m.__dict__]
+    found = [
+        (name, m.__dict__[_SETTINGS])
+        for name, m in module.named_modules()
+        if _SETTINGS in m.__dict__
+    ]
     if not found:
         raise ValueError(
             f"get_state_dict_type: {type(module).__name__} holds no FullyShardedDataParallel; "
             "pass a wrapped model"
         )
-    if any(settings != found[0] for settings in found):
-        raise ValueError(
-            "get_state_dict_type: the wrappers of this model have different state-dict "
-            "types; set one for the whole model with set_state_dict_type(model, ...)"
-        )
-    settings: StateDictSettings = found[0]
+    first_name, first = found[0]
+    for name, other in found[1:]:
+        if other != first:
+            raise AssertionError(
+                "All FSDP modules must have the same state dict settings: the wrapper of "
+                f"{_where(name)} has {_describe(other)} but the one of {_where(first_name)} "
+                f"has {_describe(first)}; set one for the whole model with "
+                "FullyShardedDataParallel.set_state_dict_type(model, ...)"
+            )
+    settings: StateDictSettings = first
     return settings
+
+
+def _where(name: str) -> str:
+    return repr(clean_fqn(name)) if name else "the model"
+
+
+def _describe(settings: StateDictSettings) -> str:
+    return f"{settings.state_dict_type.name} with {settings.state_dict_config}"

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shard_comms import all_gather
+from shard_comms import all_gather, all_reduce
+from shard_runtime._flat_buffer_layout import FlatParamSpec
 from shard_runtime._state import UnitState, get_state, states_in
-from shard_runtime._unit import ShardedState, TrainingState
+from shard_runtime._unit import ShardedState, TrainingState, Unit
 from shard_runtime._wrapper_unit_view import flat_layout_of
 
 __all__ = ["FLAT_PARAM", "SummonMethods", "summon"]
@@ -75,8 +76,8 @@ def summon(
 ) -> Iterator[None]:
     if rank0_only and writeback:
         raise NotImplementedError(
-            "summon_full_params: rank0_only=True cannot write back (other ranks see no full "
-            "parameters); pass writeback=False"
+            "summon_full_params: writeback=True and rank0_only=True is not supported: the other "
+            "ranks see no full parameters to write back; pass writeback=False"
         )
     if recurse:
         states = states_in([module])
@@ -93,8 +94,10 @@ def summon(
         )
     for s in states:
         if s.unit.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                "summon_full_params: cannot run during forward or backward; call it between steps"
+            raise AssertionError(
+                "summon_full_params: Cannot manually unshard parameters during forward/backward "
+                f"(the unit {s.unit.label!r} is computing); call it between steps, outside the "
+                "model's forward and backward"
             )
         owner = s.modules[0]
         if isinstance(owner, SummonMethods) and owner._in_summon:
@@ -106,9 +109,9 @@ def summon(
         layout = flat_layout_of(s)
         if with_grads and not (layout is not None and layout.use_orig_params):
             raise NotImplementedError(
-                f"summon_full_params: with_grads=True needs use_orig_params=True, but the unit "
-                f"{s.unit.label!r} was wrapped with use_orig_params=False; wrap with "
-                "use_orig_params=True to see full gradients"
+                f"summon_full_params: with_grads=True with use_orig_params=False is not "
+                f"supported: the unit {s.unit.label!r} was wrapped with use_orig_params=False; "
+                "wrap with use_orig_params=True to see full gradients"
             )
     with contextlib.ExitStack() as stack:
         for s in states:
@@ -156,7 +159,7 @@ def _summon_layout(
     all_gather(full, shard, unit.shard_group, label=f"{unit.comm_label} summon").wait()
     full_grad: torch.Tensor | None = None
     had_grad: list[bool] = []
-    if with_grads:
+    if with_grads and _any_rank_has_grads(layout.specs, unit):
         had_grad = [spec.param.grad is not None for spec in layout.specs]
         local_grad = torch.zeros_like(shard)
         for spec, info in zip(layout.shard_specs(), layout.shard_meta.params, strict=True):
@@ -203,3 +206,12 @@ def _summon_layout(
         for spec, had in zip(layout.specs, had_grad, strict=True):
             if not had:
                 spec.param.grad = None
+
+
+def _any_rank_has_grads(specs: list[FlatParamSpec], unit: Unit) -> bool:
+    """Whether some rank of the unit holds a gradient; if none does, none is shown (as PyTorch)."""
+    flag = torch.tensor(
+        [float(any(spec.param.grad is not None for spec in specs))], device=unit.compute_device
+    )
+    all_reduce(flag, unit.shard_group, label=f"{unit.comm_label} summon").wait()
+    return bool(flag.item())

@@ -41,7 +41,7 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -57,7 +57,6 @@ from shard_comms.plumbing import (
     replicated_mesh,
     standalone_group_mesh,
 )
-from shard_core import get_registry
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._all_gather_extension import is_tensor_subclass
 from shard_runtime._clip import clip_grad_norm
@@ -68,11 +67,8 @@ from shard_runtime._module_tree import owned_params
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._state import UnitState, get_state, states_in
 from shard_runtime._state_dict_type import (
-    OptimStateDictConfig,
-    StateDictConfig,
     StateDictSettings,
     StateDictType,
-    settings_of,
 )
 from shard_runtime._summon import FLAT_PARAM, SummonMethods, summon
 from shard_runtime._unit import TrainingState as UnitTrainingState
@@ -98,6 +94,7 @@ from shard_runtime._wrapper_options import (
     MixedPrecision,
     ShardingStrategy,
 )
+from shard_runtime._wrapper_state_dict import StateDictMethods
 from shard_runtime._wrapper_training_state import TrainingState, check_state, wrapper_state
 from shard_runtime._wrapper_unit_view import record_buffer_dtype, set_flat_layout
 
@@ -128,7 +125,7 @@ class _Shared:
         self.ignored_params = ignored_params
 
 
-class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
+class FullyShardedDataParallel(OptimStateDictMethods, StateDictMethods, SummonMethods, nn.Module):
     """Shard ``module``'s parameters as flat buffers across ranks; PyTorch's wrapper API.
 
     Args mirror ``torch.distributed.fsdp.FullyShardedDataParallel``:
@@ -264,6 +261,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
             shard_device=shard_device,
             use_orig_params=self.use_orig_params,
             keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
+            compute_dtype=mp.param_dtype if mp else None,
         )
         if layout.flat_param is not None:
             self.register_parameter(FLAT_PARAM, layout.flat_param)
@@ -297,8 +295,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         state = UnitState([self], [unit], rules=rules, mp_policy=policy)
         set_flat_layout(state, layout)
         unit.reshard()
-        self.register_state_dict_post_hook(_strip_prefixes)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_restore_prefixes)  # type: ignore[no-untyped-call]
+        self._install_state_dict_hooks()
         _WRAPPED_MODULES.add(module)
 
     # ------------------------------------------------------------------ module surface
@@ -363,92 +360,6 @@ class FullyShardedDataParallel(OptimStateDictMethods, SummonMethods, nn.Module):
         return _state(self).around_apply(
             lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse)  # type: ignore[no-untyped-call]
         )
-
-    # ------------------------------------------------------------------ state dicts
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's state dict of the type set on it (see :meth:`state_dict_type`).
-
-        Keys are the unwrapped model's. ``FULL_STATE_DICT`` (the default, as in
-        PyTorch): full tensors, gathered one unit at a time. ``SHARDED_STATE_DICT``:
-        ``Shard(0)`` DTensors cut like ``torch.chunk``. ``LOCAL_STATE_DICT``:
-        each unit's flat shard as a DTensor under ``<wrapper>._flat_param``, no
-        communication. Called on the root wrapper, every rank takes part; the
-        work is shard-checkpoint's, reached through the plugin registry.
-        """
-        settings = self._state_dict_settings
-        if not self._serves_state_dict(args, kwargs.get("prefix", "")):
-            return super().state_dict(*args, **kwargs)
-        config = settings.state_dict_config
-        backend = get_registry().state_dict_backend()
-        result = backend.model_state_dict(
-            self,
-            settings.state_dict_type.name,
-            offload_to_cpu=config.offload_to_cpu,
-            rank0_only=bool(getattr(config, "rank0_only", False)),
-        )
-        destination = kwargs.get("destination")
-        if destination is None:
-            return result
-        destination.update(result)
-        return destination
-
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
-        """Load a state dict of the type set on the model (see :meth:`state_dict`)."""
-        if not self._serves_state_dict((), ""):
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        backend = get_registry().state_dict_backend()
-        missing, unexpected = backend.load_model_state_dict(
-            self, state_dict, self._state_dict_settings.state_dict_type.name, strict=strict
-        )
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    def _serves_state_dict(self, args: tuple[Any, ...], prefix: str) -> bool:
-        """Whether this call is the root's own (not a parent module's recursion)."""
-        return not args and not prefix and _state(self).parent is None
-
-    @staticmethod
-    def set_state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> StateDictSettings:
-        """Set the state-dict type of every wrapper in ``module``'s tree; return the old one."""
-        settings = StateDictSettings.of(state_dict_type, state_dict_config, optim_state_dict_config)
-        previous = FullyShardedDataParallel.get_state_dict_type(module)
-        for wrapper in FullyShardedDataParallel.fsdp_modules(module):
-            wrapper._state_dict_settings = settings
-        return previous
-
-    @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """The state-dict type set on ``module``'s wrappers.
-
-        Raises:
-            ValueError: ``module`` holds no wrapper, or its wrappers disagree.
-        """
-        return settings_of(module)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def state_dict_type(
-        module: nn.Module,
-        state_dict_type: StateDictType,
-        state_dict_config: StateDictConfig | None = None,
-        optim_state_dict_config: OptimStateDictConfig | None = None,
-    ) -> Iterator[None]:
-        """Use ``state_dict_type`` for ``module``'s state dicts inside the block."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
-        try:
-            yield
-        finally:
-            for wrapper in FullyShardedDataParallel.fsdp_modules(module):
-                wrapper._state_dict_settings = previous
 
     # ------------------------------------------------------------------ training controls
 
@@ -851,38 +762,6 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype, ignored: frozenset[nn.M
             if buffer is not None and torch.is_floating_point(buffer):
                 record_buffer_dtype(mod, name, buffer.dtype)
                 mod._buffers[name] = buffer.to(dtype)
-
-
-def _strip_prefixes(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    for key in [k for k in state_dict if WRAPPED_PREFIX in k or k.endswith(WRAPPED)]:
-        state_dict[clean_fqn(key)] = state_dict.pop(key)
-
-
-def _restore_prefixes(
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Undo :func:`_strip_prefixes` below this wrapper, so ``state_dict()`` loads back.
-
-    Runs before the wrapper's own keys are matched and before its children's
-    hooks (``load_state_dict`` walks parents first), so each wrapper only adds
-    its own segment: ``<prefix>rest`` becomes ``<prefix>_fsdp_wrapped_module.rest``
-    for every key under the wrapper but its own flat parameter.
-    """
-    own = prefix + FLAT_PARAM
-    inner = prefix + WRAPPED_PREFIX
-    for key in [
-        k for k in state_dict if k.startswith(prefix) and k != own and not k.startswith(inner)
-    ]:
-        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
 
 
 _WRAPPED_MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()

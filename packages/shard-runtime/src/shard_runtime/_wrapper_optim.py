@@ -43,9 +43,9 @@ class OptimStateDictMethods:
 
         ``FULL_STATE_DICT``: full tensors per parameter name, on the CPU by
         default, only on rank 0 with ``FullOptimStateDictConfig(rank0_only=True)``.
-        ``SHARDED_STATE_DICT``: each parameter's state as a ``Shard(0)``
-        DTensor cut like ``torch.chunk``. ``LOCAL_STATE_DICT``: this rank's
-        positional ``optim.state_dict()`` as it is, no communication.
+        ``SHARDED_STATE_DICT`` and ``LOCAL_STATE_DICT`` (as in PyTorch, whose
+        local optimizer state dict is its sharded one): each parameter's
+        state as a ``Shard(0)`` DTensor cut like ``torch.chunk``.
 
         Args:
             model: the wrapped model ``optim`` trains.
@@ -55,13 +55,12 @@ class OptimStateDictMethods:
         """
         _no_group(group, "optim_state_dict")
         settings = settings_of(model)
-        if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            return dict(optim_state_dict if optim_state_dict is not None else optim.state_dict())
         config = settings.optim_state_dict_config
+        kind = settings.state_dict_type
         return _gathered(
             model,
             optim,
-            settings.state_dict_type,
+            StateDictType.SHARDED_STATE_DICT if kind is StateDictType.LOCAL_STATE_DICT else kind,
             offload_to_cpu=config.offload_to_cpu,
             rank0_only=isinstance(config, FullOptimStateDictConfig) and config.rank0_only,
             optim_state_dict=optim_state_dict,
@@ -79,11 +78,10 @@ class OptimStateDictMethods:
         """What ``optim.load_state_dict`` takes to load ``optim_state_dict`` (a collective).
 
         ``optim_state_dict`` is one :meth:`optim_state_dict` returned, full or
-        sharded, from any world size or wrapping; with
+        sharded, from any world size or wrapping (PyTorch's too: its
+        ``ShardedTensor`` s load as the DTensors they describe); with
         ``FullOptimStateDictConfig(rank0_only=True)`` only rank 0's is read
-        and its tensors are broadcast one at a time. Under
-        ``LOCAL_STATE_DICT`` it is this rank's positional state dict and is
-        returned as it is.
+        and its tensors are broadcast one at a time.
 
         Args:
             load_directly: also load the result into ``optim``.
@@ -97,18 +95,13 @@ class OptimStateDictMethods:
                 "optim_state_dict_to_load: is_named_optimizer=True is not supported; pass a "
                 "torch.optim optimizer"
             )
-        settings = settings_of(model)
-        if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            loadable = dict(optim_state_dict)
-        else:
-            config = settings.optim_state_dict_config
-            loadable = _loadable(
-                model,
-                optim,
-                optim_state_dict,
-                broadcast_from_rank0=isinstance(config, FullOptimStateDictConfig)
-                and config.rank0_only,
-            )
+        config = settings_of(model).optim_state_dict_config
+        loadable = _loadable(
+            model,
+            optim,
+            optim_state_dict,
+            broadcast_from_rank0=isinstance(config, FullOptimStateDictConfig) and config.rank0_only,
+        )
         if load_directly:
             optim.load_state_dict(loadable)
         return loadable
