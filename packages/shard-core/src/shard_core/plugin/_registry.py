@@ -26,7 +26,7 @@ from shard_core.errors import (
     UnknownPluginNameError,
 )
 from shard_core.plugin._manager import ENV_DISABLE, ShardPluginManager, describe_plugin, logger
-from shard_core.protocols import CommHook, DeviceHandle, StateDictBackend, WrapPolicy
+from shard_core.protocols import CommCodec, CommHook, DeviceHandle, StateDictBackend, WrapPolicy
 
 __all__ = ["Registry"]
 
@@ -150,6 +150,40 @@ class Registry:
         if named is None:
             raise UnknownPluginNameError(_unknown_name("comm hook", name, entries))
         return named.value
+
+    # - comm codecs
+
+    def comm_codecs(self) -> dict[str, Callable[..., CommCodec]]:
+        """Every registered comm-codec factory, by name (sorted).
+
+        Raises:
+            PluginCollisionError: two plugins registered the same name.
+        """
+        entries = self._named_entries("shard_comm_codecs", "comm codec", "comm-codec factories")
+        return {name: named.value for name, named in entries.items()}
+
+    def comm_codec(self, name: str, /, **options: Any) -> CommCodec:
+        """Build the comm codec registered as ``name`` with keyword ``options``.
+
+        Raises:
+            UnknownPluginNameError: no plugin registered ``name``; the message
+                lists the names that are registered.
+            PluginError: the factory built something that is not a
+                :class:`~shard_core.protocols.CommCodec`.
+        """
+        entries = self._named_entries("shard_comm_codecs", "comm codec", "comm-codec factories")
+        named = entries.get(name)
+        if named is None:
+            raise UnknownPluginNameError(_unknown_name("comm codec", name, entries))
+        codec = named.value(**options)
+        if not isinstance(codec, CommCodec):
+            raise PluginError(
+                f"comm codec {name!r} of {self._describe(named.plugin_name)} built "
+                f"{codec!r} ({type(codec).__name__}), which is not a CommCodec "
+                f"(it needs encoded_nbytes(), encode() and decode()); report this to the "
+                f"plugin's authors"
+            )
+        return codec
 
     # - device handles
 
