@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -227,3 +229,22 @@ def test_encoded_buffer_of_the_wrong_size_is_refused() -> None:
             torch.empty(1, 68, dtype=torch.uint8),
             torch.zeros(1, 64, dtype=torch.float64),
         )
+
+
+def test_scratch_is_reused_per_thread_and_can_be_released() -> None:
+    """On the CPU a codec keeps two float32 work buffers per thread, grown to the largest call."""
+    codec = BlockQuantCodec(8, 64)
+    codec.release_scratch()
+    residual = torch.zeros(2, 100)
+    _round_trip(codec, torch.randn(2, 100), residual)
+    padded = 2 * 128
+    assert codec.scratch_nbytes == 2 * padded * 4
+    _round_trip(codec, torch.randn(1, 64), torch.zeros(1, 64))
+    assert codec.scratch_nbytes == 2 * padded * 4
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(codec.scratch_nbytes))
+    thread.start()
+    thread.join()
+    assert seen == [0]
+    codec.release_scratch()
+    assert codec.scratch_nbytes == 0

@@ -35,7 +35,9 @@ of shard. The runtime uses them for units that ``set_comm_codec`` selects.
   the object.
 
 A world of one sends nothing, so nothing is encoded: the all-gather copies,
-the reductions only divide.
+the reductions only divide. The encoded rows and the float32 rows decoded
+from them are leased from the staging-buffer cache (``_buffers.py``) and
+given back when the collective is finished.
 
 [Note: What an encoded collective counts]
 Each counts once, as the collective it implements (``all_gather``,
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from shard_comms._buffers import buffer_cache
 from shard_comms._collectives import _DONE, CommHandle, _gather, _issued, _issuing, _size_rank
 from shard_core import get_registry
 from shard_core.errors import CommError
@@ -112,6 +115,27 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return f"ErrorFeedback(paths={sorted(self._residuals)}, nbytes={self.nbytes})"
+
+
+class _Leases:
+    """Buffers leased from the staging cache for one collective, given back together."""
+
+    __slots__ = ("_bases",)
+
+    def __init__(self) -> None:
+        self._bases: list[torch.Tensor] = []
+
+    def take(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ``(rows, cols)`` buffer of ``dtype`` (contents undefined)."""
+        base = buffer_cache().acquire(rows * cols, dtype, device)
+        self._bases.append(base)
+        return base[: rows * cols].view(rows, cols)
+
+    def release(self) -> None:
+        cache = buffer_cache()
+        for base in self._bases:
+            cache.release(base)
+        self._bases.clear()
 
 
 def resolve_comm_codec(codec: CodecSpec | None) -> CommCodec | None:
@@ -179,14 +203,16 @@ def encoded_all_gather(
         output.view(shard.shape).copy_(shard)
         return _DONE
     row = codec.encoded_nbytes(numel)
-    send = torch.empty(1, row, dtype=torch.uint8, device=output.device)
+    leases = _Leases()
+    send = leases.take(1, row, torch.uint8, output.device)
     codec.encode(shard.reshape(1, numel), send)
-    gathered = torch.empty(size, row, dtype=torch.uint8, device=output.device)
+    gathered = leases.take(size, row, torch.uint8, output.device)
     with _issuing("all_gather", gathered.view(-1), size, group, label, phase) as entry:
         work = _gather(gathered.view(-1), send.view(-1), size, group, async_op)
 
     def finish() -> None:
         codec.decode(gathered, output.view(size, numel))
+        leases.release()
 
     return _issued(entry, work, finish, async_op)
 
@@ -226,19 +252,22 @@ def encoded_reduce_scatter(
     if size == 1:
         output.view(-1).copy_(rows[0].to(torch.float32) / divide)
         return _DONE
-    send = _encode_rows(codec, rows, rank, feedback, "scatter")
-    received = torch.empty_like(send)
+    leases = _Leases()
+    send = _encode_rows(codec, rows, rank, feedback, "scatter", leases)
+    received = leases.take(size, send.shape[1], torch.uint8, send.device)
     own = rows[rank].to(torch.float32, copy=True)
     with _issuing("reduce_scatter", send.view(-1), size, group, label, phase) as entry:
         work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
-    keep_alive = [send]  # the input lives until the collective completed
 
     def finish() -> None:
-        keep_alive.clear()
-        total = _sum_received(codec, received, own, rank)
+        flat_out = output.view(-1)
+        target = flat_out if flat_out.dtype == torch.float32 else None
+        total = _sum_received(codec, received, own, rank, leases, out=target)
         if divide != 1.0:
             total.div_(divide)
-        output.view(-1).copy_(total)
+        if target is None:
+            flat_out.copy_(total)
+        leases.release()
 
     return _issued(entry, work, finish, async_op)
 
@@ -249,6 +278,7 @@ def _encode_rows(
     rank: int,
     feedback: ErrorFeedback | None,
     path: str,
+    leases: _Leases,
 ) -> torch.Tensor:
     """``rows`` (one per destination rank) encoded, with ``path``'s error feedback if any.
 
@@ -256,7 +286,7 @@ def _encode_rows(
     residual stays zero. See [Note: Encoded collectives].
     """
     size, n = rows.shape
-    send = torch.empty(size, codec.encoded_nbytes(n), dtype=torch.uint8, device=rows.device)
+    send = leases.take(size, codec.encoded_nbytes(n), torch.uint8, rows.device)
     residual = None if feedback is None else feedback.residual(path, size, n, rows.device)
     codec.encode(rows, send, residual)
     if residual is not None:
@@ -265,13 +295,23 @@ def _encode_rows(
 
 
 def _sum_received(
-    codec: CommCodec, received: torch.Tensor, own: torch.Tensor, rank: int
+    codec: CommCodec,
+    received: torch.Tensor,
+    own: torch.Tensor,
+    rank: int,
+    leases: _Leases,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The float32 sum, in rank order, of the decoded rows, this rank's own row exact."""
-    decoded = torch.empty(received.shape[0], own.numel(), dtype=torch.float32, device=own.device)
+    """The float32 sum, in rank order, of the decoded rows, this rank's own row exact.
+
+    Written into ``out`` (float32, ``own``'s size) when given.
+    """
+    decoded = leases.take(received.shape[0], own.numel(), torch.float32, own.device)
     codec.decode(received, decoded)
     decoded[rank].copy_(own)
-    return torch.sum(decoded, dim=0)
+    if out is None:
+        return torch.sum(decoded, dim=0)
+    return torch.sum(decoded, dim=0, out=out)
 
 
 def encoded_all_reduce(
@@ -308,24 +348,27 @@ def encoded_all_reduce(
         return _DONE
     numel = flat.numel()
     chunk = -(-numel // size)
-    rows = torch.zeros(size, chunk, dtype=torch.float32, device=flat.device)
+    leases = _Leases()
+    rows = leases.take(size, chunk, torch.float32, flat.device)
+    rows.view(-1)[numel:] = 0.0
     rows.view(-1)[:numel].copy_(flat)
     row = codec.encoded_nbytes(chunk)
-    gathered = torch.empty(size, row, dtype=torch.uint8, device=flat.device)
+    gathered = leases.take(size, row, torch.uint8, flat.device)
     with _issuing("all_reduce", gathered.view(-1), size, group, label, phase) as entry:
-        send = _encode_rows(codec, rows, rank, feedback, path)
-        received = torch.empty_like(send)
+        send = _encode_rows(codec, rows, rank, feedback, path, leases)
+        received = leases.take(size, row, torch.uint8, flat.device)
         dist.all_to_all_single(received, send, group=group)
-        partial = _sum_received(codec, received, rows[rank], rank).view(1, chunk)
-        own = torch.empty(1, row, dtype=torch.uint8, device=flat.device)
+        partial = _sum_received(codec, received, rows[rank], rank, leases).view(1, chunk)
+        own = leases.take(1, row, torch.uint8, flat.device)
         residual = (
             None if feedback is None else feedback.residual(f"{path}_sum", 1, chunk, flat.device)
         )
         codec.encode(partial, own, residual)
         _gather(gathered.view(-1), own.view(-1), size, group, False)
-    summed = torch.empty(size, chunk, dtype=torch.float32, device=flat.device)
+    summed = leases.take(size, chunk, torch.float32, flat.device)
     codec.decode(gathered, summed)
     if divide != 1.0:
         summed.div_(divide)
     flat.copy_(summed.view(-1)[:numel])
+    leases.release()
     return _issued(entry, None, None, False)

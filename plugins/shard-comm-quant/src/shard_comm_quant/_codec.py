@@ -26,9 +26,23 @@ A block holding an infinity or a NaN has a non-finite scale, so every value
 of it decodes to an infinity or a NaN on every rank (a loss scaler then
 skips the step, as it would without quantization). Its residual is set to
 zero rather than NaN, so one bad step does not poison every later one.
+
+[Note: scratch buffers]
+Encoding needs two float32 working buffers the size of what it encodes
+(the values plus residual, and the scaled codes), decoding one when it
+cannot write into its output directly. A fresh CPU allocation of a few
+MiB is page-faulted in on every use, which costs more than the
+quantization itself (``tools/bench/bench_codec.py``), so on the CPU each
+thread keeps its two buffers, grown to the largest call, and reuses them;
+``scratch_nbytes`` reports them and ``release_scratch()`` frees them. Off
+the CPU the caching allocator recycles memory per stream, and reuse could
+race with work still queued, so nothing is kept. This is the only state a
+codec has, and it is per thread: one codec serves every unit and thread.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -40,6 +54,13 @@ DEFAULT_BLOCK_SIZE = 256
 """Values per scale; chosen by ``tools/bench/bench_codec.py`` (see the README)."""
 
 _LEVELS = {8: 127, 4: 7}  # the largest code of each width; codes are symmetric around 0
+
+
+class _Scratch(threading.local):
+    """The calling thread's float32 working buffers on the CPU, by slot (0 and 1)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
 
 
 class BlockQuantCodec:
@@ -54,7 +75,7 @@ class BlockQuantCodec:
             4-byte aligned and int4 codes pack into whole bytes).
     """
 
-    __slots__ = ("_levels", "bits", "block_size")
+    __slots__ = ("_levels", "_scratch", "bits", "block_size")
 
     def __init__(self, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if bits not in _LEVELS:
@@ -75,6 +96,7 @@ class BlockQuantCodec:
         self.bits = bits
         self.block_size = block_size
         self._levels = _LEVELS[bits]
+        self._scratch = _Scratch()
 
     def __repr__(self) -> str:
         return f"BlockQuantCodec(bits={self.bits}, block_size={self.block_size})"
@@ -100,10 +122,11 @@ class BlockQuantCodec:
             )
         blocks = -(-numel // self.block_size)
         x = self._working_copy(values, residual, blocks)  # (rows, blocks, block_size) float32
-        amax = x.abs().amax(dim=-1)  # (rows, blocks)
+        work = self._buffer(1, x.numel(), values.device).view(x.shape)
+        amax = torch.abs(x, out=work).amax(dim=-1)  # (rows, blocks)
         scale = amax / self._levels
         inverse = torch.where(amax > 0, self._levels / amax, torch.zeros_like(amax))
-        rounded = x * inverse.unsqueeze(-1)
+        rounded = torch.mul(x, inverse.unsqueeze(-1), out=work)
         rounded.round_()  # now exactly the codes, as float32
         codes, scales = self._split(out, rows, blocks)
         scales.copy_(scale)
@@ -112,15 +135,25 @@ class BlockQuantCodec:
         else:
             _pack_int4(rounded, codes.view(rows, blocks, self.block_size // 2))
         if residual is not None:
-            # See [Note: decoding is the same everywhere].
+            # See [Note: decoding is the same everywhere] and [Note: non-finite values];
+            # x is this thread's scratch here, never the caller's values.
             rounded.mul_(scale.unsqueeze(-1))
-            lost = x.sub_(rounded).view(rows, blocks * self.block_size)
-            residual.copy_(lost[:, :numel])
-            finite = torch.isfinite(scale)
-            # See [Note: non-finite values]; the check costs a host sync off the CPU.
-            if values.device.type != "cpu" or not bool(finite.all()):
-                bad = (~finite).unsqueeze(-1).expand(rows, blocks, self.block_size)
-                residual.masked_fill_(bad.reshape(rows, -1)[:, :numel], 0.0)
+            padded = blocks * self.block_size
+            direct = numel == padded and residual.is_contiguous()
+            lost = residual.view(x.shape) if direct else x
+            torch.sub(x, rounded, out=lost)
+            lost.masked_fill_(~torch.isfinite(scale).unsqueeze(-1), 0.0)
+            if not direct:
+                residual.copy_(lost.view(rows, padded)[:, :numel])
+
+    @property
+    def scratch_nbytes(self) -> int:
+        """Bytes of working buffers the calling thread keeps (CPU only; [Note: scratch buffers])."""
+        return sum(b.numel() * b.element_size() for b in self._scratch.buffers.values())
+
+    def release_scratch(self) -> None:
+        """Free the calling thread's working buffers; the next call allocates again."""
+        self._scratch.buffers.clear()
 
     def decode(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
         """Dequantize each row of ``encoded`` into ``out``; see ``protocols.CommCodec``."""
@@ -132,7 +165,7 @@ class BlockQuantCodec:
         values = (
             out.view(rows, blocks, self.block_size)
             if direct
-            else torch.empty(rows, blocks, self.block_size, device=out.device)
+            else self._buffer(0, rows * padded, out.device).view(rows, blocks, self.block_size)
         )
         if self.bits == 8:
             values.copy_(codes.view(torch.int8).view(rows, blocks, self.block_size))
@@ -162,7 +195,7 @@ class BlockQuantCodec:
         """``values (+ residual)`` as float32 ``(rows, blocks, block_size)``, zero padded.
 
         A view of ``values`` when nothing needs adding, casting or padding (it
-        is then only read); a new tensor otherwise.
+        is then only read); scratch slot 0 otherwise.
         """
         rows, numel = values.shape
         padded = blocks * self.block_size
@@ -173,7 +206,7 @@ class BlockQuantCodec:
             and values.is_contiguous()
         ):
             return values.view(rows, blocks, self.block_size)
-        x = torch.empty((rows, padded), dtype=torch.float32, device=values.device)
+        x = self._buffer(0, rows * padded, values.device).view(rows, padded)
         if numel < padded:
             x[:, numel:] = 0.0
         if residual is None:
@@ -181,6 +214,16 @@ class BlockQuantCodec:
         else:
             torch.add(values, residual, out=x[:, :numel])
         return x.view(rows, blocks, self.block_size)
+
+    def _buffer(self, slot: int, numel: int, device: torch.device) -> torch.Tensor:
+        """``numel`` float32 of scratch ``slot``; see [Note: scratch buffers]."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=torch.float32, device=device)
+        buffer = self._scratch.buffers.get(slot)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=torch.float32)
+            self._scratch.buffers[slot] = buffer
+        return buffer[:numel]
 
     def _check(
         self, values: torch.Tensor, encoded: torch.Tensor, method: str, name: str
