@@ -272,6 +272,11 @@ def encoded_reduce_scatter(
     return _issued(entry, work, finish, async_op)
 
 
+def _others(rows: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """The row blocks of ``rows`` before and after row ``rank`` (empty ones left out)."""
+    return [block for block in (rows[:rank], rows[rank + 1 :]) if block.shape[0]]
+
+
 def _encode_rows(
     codec: CommCodec,
     rows: torch.Tensor,
@@ -282,15 +287,19 @@ def _encode_rows(
 ) -> torch.Tensor:
     """``rows`` (one per destination rank) encoded, with ``path``'s error feedback if any.
 
-    This rank's own row is encoded too (one call), but never sent: its
-    residual stays zero. See [Note: Encoded collectives].
+    This rank's own row is never sent, so it is not encoded (its bytes in the
+    send buffer are whatever they were) and its residual stays zero. See
+    [Note: Encoded collectives].
     """
     size, n = rows.shape
     send = leases.take(size, codec.encoded_nbytes(n), torch.uint8, rows.device)
     residual = None if feedback is None else feedback.residual(path, size, n, rows.device)
-    codec.encode(rows, send, residual)
-    if residual is not None:
-        residual[rank].zero_()
+    blocks = _others(rows, rank)
+    kept: list[torch.Tensor | None] = (
+        [None] * len(blocks) if residual is None else list(_others(residual, rank))
+    )
+    for values, out, lost in zip(blocks, _others(send, rank), kept, strict=True):
+        codec.encode(values, out, lost)
     return send
 
 
@@ -307,7 +316,8 @@ def _sum_received(
     Written into ``out`` (float32, ``own``'s size) when given.
     """
     decoded = leases.take(received.shape[0], own.numel(), torch.float32, own.device)
-    codec.decode(received, decoded)
+    for encoded, values in zip(_others(received, rank), _others(decoded, rank), strict=True):
+        codec.decode(encoded, values)
     decoded[rank].copy_(own)
     if out is None:
         return torch.sum(decoded, dim=0)
