@@ -39,6 +39,15 @@ the reductions only divide. The encoded rows and the float32 rows decoded
 from them are leased from the staging-buffer cache (``_buffers.py``) and
 given back when the collective is finished.
 
+[Note: Decoding on the waiting stream]
+An asynchronous encoded collective decodes in its handle's ``wait()``, on
+the stream that waits (the compute stream), from buffers allocated where it
+was issued (the all-gather or reduce-scatter stream). On an accelerator the
+received rows are therefore marked as used by the waiting stream
+(``record_stream``) before they are let go, so the caching allocator does
+not hand their memory to the issuing stream while the decode is queued. The
+CPU has no streams; this path has not run on a GPU yet.
+
 [Note: What an encoded collective counts]
 Each counts once, as the collective it implements (``all_gather``,
 ``reduce_scatter``, ``all_reduce``), with the bytes of its encoded buffer in
@@ -212,6 +221,7 @@ def encoded_all_gather(
 
     def finish() -> None:
         codec.decode(gathered, output.view(size, numel))
+        _used_on_current_stream(gathered)
         leases.release()
 
     return _issued(entry, work, finish, async_op)
@@ -267,9 +277,17 @@ def encoded_reduce_scatter(
             total.div_(divide)
         if target is None:
             flat_out.copy_(total)
+        _used_on_current_stream(received, own)
         leases.release()
 
     return _issued(entry, work, finish, async_op)
+
+
+def _used_on_current_stream(*tensors: torch.Tensor) -> None:
+    """See [Note: Decoding on the waiting stream]; nothing on the CPU."""
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            tensor.record_stream(torch.accelerator.current_stream(tensor.device))
 
 
 def _others(rows: torch.Tensor, rank: int) -> list[torch.Tensor]:
