@@ -248,3 +248,22 @@ def test_scratch_is_reused_per_thread_and_can_be_released() -> None:
     assert seen == [0]
     codec.release_scratch()
     assert codec.scratch_nbytes == 0
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=IDS)
+def test_tiny_blocks_are_sent_as_zeros_and_kept_in_the_residual(codec: BlockQuantCodec) -> None:
+    """A block of denormal values (whose 1/amax overflows) decodes to zeros, never NaN.
+
+    With error feedback the values stay in the residual: a block like this
+    once turned a gradient's residual into NaN and a training run with it.
+    """
+    values = torch.full((1, 128), 0.5)
+    values[0, :64] = torch.linspace(-3e-38, 3e-38, 64)
+    residual = torch.zeros(1, 128)
+    _, decoded = _round_trip(codec, values, residual)
+    assert torch.equal(decoded[0, :64], torch.zeros(64))
+    assert torch.equal(residual[0, :64], values[0, :64])
+    assert torch.equal(decoded[0, 64:], values[0, 64:])
+    _, decoded = _round_trip(codec, values * 1e7, residual)  # 3e-31: still below 1e-30
+    assert bool(torch.isfinite(decoded).all())
+    assert bool(torch.isfinite(residual).all())

@@ -21,6 +21,15 @@ exactly what the receivers will decode. That is what makes the error
 feedback exact: the residual is the difference between what this rank meant
 to send and what every receiver got, not an estimate of it.
 
+[Note: tiny blocks]
+A block's codes are its values times ``levels / amax``, which overflows to
+infinity when ``amax`` is below about ``levels / 3.4e38`` (float32's largest
+value): a gradient block of denormal values then turned into NaNs, and with
+error feedback into a NaN residual that poisoned every later step (a
+1000-step ``shard train`` diverged at step 39). A block whose largest
+magnitude is below ``_TINY`` (1e-30) is therefore sent as zeros with scale
+0; with error feedback its values stay in the residual until they matter.
+
 [Note: non-finite values]
 A block holding an infinity or a NaN has a non-finite scale, so every value
 of it decodes to an infinity or a NaN on every rank (a loss scaler then
@@ -54,6 +63,7 @@ DEFAULT_BLOCK_SIZE = 256
 """Values per scale; chosen by ``tools/bench/bench_codec.py`` (see the README)."""
 
 _LEVELS = {8: 127, 4: 7}  # the largest code of each width; codes are symmetric around 0
+_TINY = 1e-30  # blocks below are sent as zeros; see [Note: tiny blocks]
 
 
 class _Scratch(threading.local):
@@ -125,8 +135,10 @@ class BlockQuantCodec:
         work = self._buffer(1, x.numel(), values.device).view(x.shape)
         # max |x| as max(max x, -min x): two read-only passes, no |x| written (3x faster)
         amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # (rows, blocks)
-        scale = amax / self._levels
-        inverse = torch.where(amax > 0, self._levels / amax, torch.zeros_like(amax))
+        # See [Note: tiny blocks]; NaN and inf compare False and keep their scale.
+        tiny = amax < _TINY
+        scale = torch.where(tiny, 0.0, amax / self._levels)
+        inverse = torch.where(tiny, 0.0, self._levels / amax)
         rounded = torch.mul(x, inverse.unsqueeze(-1), out=work)
         rounded.round_()  # now exactly the codes, as float32
         codes, scales = self._split(out, rows, blocks)
