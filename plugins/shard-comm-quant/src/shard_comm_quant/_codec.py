@@ -131,22 +131,15 @@ class BlockQuantCodec:
                 f"values are {tuple(values.shape)}; pass a float32 residual of the values' shape"
             )
         blocks = -(-numel // self.block_size)
-        x = self._working_copy(values, residual, blocks)  # (rows, blocks, block_size) float32
-        work = self._buffer(1, x.numel(), values.device).view(x.shape)
-        # max |x| as max(max x, -min x): two read-only passes, no |x| written (3x faster)
-        amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # (rows, blocks)
-        # See [Note: tiny blocks]; NaN and inf compare False and keep their scale.
-        tiny = amax < _TINY
-        scale = torch.where(tiny, 0.0, amax / self._levels)
-        inverse = torch.where(tiny, 0.0, self._levels / amax)
-        rounded = torch.mul(x, inverse.unsqueeze(-1), out=work)
-        rounded.round_()  # now exactly the codes, as float32
         codes, scales = self._split(out, rows, blocks)
-        scales.copy_(scale)
-        if self.bits == 8:
-            codes.view(torch.int8).view(rows, blocks, self.block_size).copy_(rounded)
-        else:
-            _pack_int4(rounded, codes.view(rows, blocks, self.block_size // 2))
+        if residual is None and values.dtype == torch.float32 and values.stride(-1) == 1:
+            # Read in place: the whole blocks as a view, the last partial one padded apart.
+            # See [Note: scratch buffers].
+            for segment, first, count in self._segments(values, rows, numel):
+                self._quantize(segment, codes, scales, first, count)
+            return
+        x = self._working_copy(values, residual, blocks)  # (rows, blocks, block_size) float32
+        rounded, scale = self._quantize(x, codes, scales, 0, blocks)
         if residual is not None:
             # See [Note: decoding is the same everywhere] and [Note: non-finite values];
             # x is this thread's scratch here, never the caller's values.
@@ -158,6 +151,55 @@ class BlockQuantCodec:
             lost.masked_fill_(~torch.isfinite(scale).unsqueeze(-1), 0.0)
             if not direct:
                 residual.copy_(lost.view(rows, padded)[:, :numel])
+
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        first: int,
+        count: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode ``x`` (``(rows, count, block_size)`` float32) as blocks ``first..first+count``.
+
+        Returns the codes as float32 (in scratch slot 1) and the scales.
+        """
+        rows = x.shape[0]
+        work = self._buffer(1, x.numel(), x.device).view(x.shape)
+        # max |x| as max(max x, -min x): two read-only passes, no |x| written (3x faster)
+        amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # (rows, count)
+        # See [Note: tiny blocks]; NaN and inf compare False and keep their scale.
+        tiny = amax < _TINY
+        scale = torch.where(tiny, 0.0, amax / self._levels)
+        inverse = torch.where(tiny, 0.0, self._levels / amax)
+        rounded = torch.mul(x, inverse.unsqueeze(-1), out=work)
+        rounded.round_()  # now exactly the codes, as float32
+        scales[:, first : first + count].copy_(scale)
+        code_block = self._code_nbytes(self.block_size)
+        target = codes[:, first * code_block : (first + count) * code_block]
+        if self.bits == 8:
+            target.view(torch.int8).view(rows, count, self.block_size).copy_(rounded)
+        else:
+            _pack_int4(rounded, target.view(rows, count, code_block))
+        return rounded, scale
+
+    def _segments(
+        self, values: torch.Tensor, rows: int, numel: int
+    ) -> list[tuple[torch.Tensor, int, int]]:
+        """``(blocks of values, first block, block count)``: the whole blocks in place, then
+        the last partial block copied into a zero-padded block of scratch slot 0."""
+        full, rest = divmod(numel, self.block_size)
+        segments = []
+        if full:
+            whole = values[:, : full * self.block_size].view(rows, full, self.block_size)
+            segments.append((whole, 0, full))
+        if rest:
+            tail = self._buffer(0, rows * self.block_size, values.device)
+            tail = tail.view(rows, 1, self.block_size)
+            tail[:, 0, rest:] = 0.0
+            tail[:, 0, :rest].copy_(values[:, full * self.block_size :])
+            segments.append((tail, full, 1))
+        return segments
 
     @property
     def scratch_nbytes(self) -> int:
@@ -173,20 +215,35 @@ class BlockQuantCodec:
         rows, numel = self._check(out, encoded, "decode", "out")
         blocks = -(-numel // self.block_size)
         codes, scales = self._split(encoded, rows, blocks)
+        if out.dtype == torch.float32 and out.stride(-1) == 1:
+            # Written in place: the whole blocks directly, the last partial one through scratch.
+            full, rest = divmod(numel, self.block_size)
+            if full:
+                whole = out[:, : full * self.block_size].view(rows, full, self.block_size)
+                self._dequantize(codes, scales, 0, whole)
+            if rest:
+                tail = self._buffer(0, rows * self.block_size, out.device)
+                tail = tail.view(rows, 1, self.block_size)
+                self._dequantize(codes, scales, full, tail)
+                out[:, full * self.block_size :].copy_(tail[:, 0, :rest])
+            return
         padded = blocks * self.block_size
-        direct = out.dtype == torch.float32 and out.is_contiguous() and numel == padded
-        values = (
-            out.view(rows, blocks, self.block_size)
-            if direct
-            else self._buffer(0, rows * padded, out.device).view(rows, blocks, self.block_size)
-        )
+        values = self._buffer(0, rows * padded, out.device).view(rows, blocks, self.block_size)
+        self._dequantize(codes, scales, 0, values)
+        out.copy_(values.view(rows, padded)[:, :numel])
+
+    def _dequantize(
+        self, codes: torch.Tensor, scales: torch.Tensor, first: int, out: torch.Tensor
+    ) -> None:
+        """Blocks ``first..`` of ``codes`` into ``out`` (float32 ``(rows, count, block_size)``)."""
+        rows, count, _ = out.shape
+        code_block = self._code_nbytes(self.block_size)
+        source = codes[:, first * code_block : (first + count) * code_block]
         if self.bits == 8:
-            values.copy_(codes.view(torch.int8).view(rows, blocks, self.block_size))
+            out.copy_(source.view(torch.int8).view(rows, count, self.block_size))
         else:
-            _unpack_int4(codes.view(rows, blocks, self.block_size // 2), values)
-        values.mul_(scales.unsqueeze(-1))
-        if not direct:
-            out.copy_(values.view(rows, padded)[:, :numel])
+            _unpack_int4(source.view(rows, count, code_block), out)
+        out.mul_(scales[:, first : first + count].unsqueeze(-1))
 
     # - helpers
 
