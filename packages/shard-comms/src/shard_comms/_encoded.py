@@ -245,7 +245,9 @@ def encoded_reduce_scatter(
     ``grad`` has ``group size * output.numel()`` elements; rank ``r`` gets the
     sum of elements ``[r * n, (r + 1) * n)`` over ranks, divided by
     ``pre_divide * post_divide``. ``feedback`` keeps the residual of this
-    path between calls. ``grad`` is only read. See [Note: Encoded collectives].
+    path between calls. ``grad`` is only read, and (this rank's row is summed
+    from it when the handle is waited) must stay unchanged until then, as a
+    plain reduce-scatter's input must. See [Note: Encoded collectives].
     """
     size, rank = _size_rank(group, "encoded_reduce_scatter")
     n = output.numel()
@@ -265,7 +267,7 @@ def encoded_reduce_scatter(
     leases = _Leases()
     send = _encode_rows(codec, rows, rank, feedback, "scatter", leases)
     received = leases.take(size, send.shape[1], torch.uint8, send.device)
-    own = rows[rank].to(torch.float32, copy=True)
+    own = rows[rank]  # read in finish; see the docstring
     with _issuing("reduce_scatter", send.view(-1), size, group, label, phase) as entry:
         work = dist.all_to_all_single(received, send, group=group, async_op=async_op)
 
