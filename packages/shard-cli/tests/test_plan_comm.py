@@ -17,12 +17,13 @@ from torch import nn
 
 from shard_cli import PlanConfig, plan_model_units
 from shard_cli._comm_quant import apply_comm_quant, comm_quant_codecs, parse_comm_quant
-from shard_cli._plan_comm import CommPerStep, comm_per_step
+from shard_cli._plan_comm import CommPerStep, comm_per_step, feedback_bytes
 from shard_cli._strategy import shard_layout, shard_model
 from shard_cli.gpt import GPT, Block, GPTConfig
 from shard_comms import count_collectives
 from shard_core import get_registry
 from shard_runtime import ModuleWrapPolicy
+from shard_runtime._state import states_in
 from shard_testing import RankPool
 
 CONFIG = GPTConfig(vocab_size=50, d_model=24, n_heads=4, n_layers=2, seq_len=12)
@@ -66,7 +67,8 @@ def _counted(
         with count_collectives() as counts, autocast:
             model(tokens).float().sum().backward()  # type: ignore[no-untyped-call]
         counted.append({k: counts.bytes(k) for k in ("all_gather", "reduce_scatter", "all_reduce")})
-    return counted
+    kept = sum(unit.feedback_nbytes for state in states_in([model]) for unit in state.units)
+    return [*counted, {"feedback": kept}]
 
 
 @pytest.mark.parametrize(
@@ -82,7 +84,8 @@ def _counted(
 def test_plan_counts_what_two_ranks_count(
     rank_pool: RankPool, frontend: str, strategy: str, shard_size: int | None, precision: str
 ) -> None:
-    """A step's counted bytes equal the plan's, plain and quantized, on every rank."""
+    """A step's counted bytes equal the plan's, plain and quantized, on every rank; so do
+    the error-feedback residuals the units keep."""
     results = rank_pool.run(_counted, 2, frontend, strategy, shard_size, precision)
     config: Any = PlanConfig(
         frontend=frontend,  # type: ignore[arg-type]
@@ -93,8 +96,9 @@ def test_plan_counts_what_two_ranks_count(
     )
     plain = asdict(comm_per_step(_units(), config))
     quantized = asdict(comm_per_step(_units(), config, _codecs(QUANT)))
+    kept = {"feedback": feedback_bytes(_units(), config)}
     for counted in results:
-        assert counted == [plain, quantized]
+        assert counted == [plain, quantized, kept]
     assert sum(quantized.values()) < 0.3 * sum(plain.values())
 
 

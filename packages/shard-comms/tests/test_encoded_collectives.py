@@ -94,7 +94,7 @@ def _scatter_twice(divide: float) -> dict[str, Any]:
                 HalfCodec(), output, grad, feedback=feedback, pre_divide=divide, async_op=True
             ).wait()
         outputs.append(output)
-    residual = feedback.residual("scatter", world, N, torch.device("cpu")).clone()
+    residual = feedback.residual("scatter", world - 1, N, torch.device("cpu")).clone()
     return {"outputs": outputs, "residual": residual, "bytes": counts.bytes("reduce_scatter")}
 
 
@@ -103,8 +103,8 @@ def test_encoded_reduce_scatter_sums_decoded_rows_with_error_feedback(
 ) -> None:
     """Rank j gets the float32 sum of row j of every rank's decoded gradient (its own exact).
 
-    The second step adds what the first one lost; the residual of a rank's
-    own row stays zero. The counters see the encoded rows sent.
+    The second step adds what the first one lost; a rank keeps no residual
+    for its own row, which it never sends. The counters see the encoded rows sent.
     """
     world, divide = 3, 3.0
     results = rank_pool.run(_scatter_twice, world, divide)
@@ -125,7 +125,8 @@ def test_encoded_reduce_scatter_sums_decoded_rows_with_error_feedback(
             expected = torch.sum(torch.stack(rows), dim=0) / divide
             assert torch.equal(result["outputs"][step], expected), (step, j)
     for j, result in enumerate(results):
-        assert torch.equal(result["residual"], residuals[j])
+        # the residual holds the rows this rank sends, its own row left out
+        assert torch.equal(result["residual"], torch.cat([residuals[j][:j], residuals[j][j + 1 :]]))
         assert result["bytes"] == world * 2 * N
 
 

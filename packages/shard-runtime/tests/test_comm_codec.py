@@ -88,7 +88,8 @@ def test_set_comm_codec_encodes_switches_and_recurses(rank_pool: RankPool) -> No
 
     Each unit (the inner Linear, the root's Linear) has 72 float32 values,
     36 per rank. Error feedback keeps one float32 residual per gradient
-    value the unit sends (72 values: 288 bytes), on units that encode grads.
+    value the unit sends to the other rank (36 values: 144 bytes), on units
+    that encode grads.
     """
     (result, _) = rank_pool.run(_switching, 2)
     unit_bytes = 2 * 36 * 4  # a unit's gathered float32 rows, or its full gradient
@@ -102,7 +103,7 @@ def test_set_comm_codec_encodes_switches_and_recurses(rank_pool: RankPool) -> No
         "reduce_scatter": unit_bytes // 2 + unit_bytes // 2,
         "all_reduce": 0,
     }
-    assert result["feedback"] == (288, 288)
+    assert result["feedback"] == (144, 144)
 
 
 class _Mixed(nn.Module):

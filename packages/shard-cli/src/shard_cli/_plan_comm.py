@@ -23,6 +23,14 @@ the all-reduce ``r`` rows of ``ceil(k / r)`` (see [Note: Encoded
 collectives] in shard-comms). Units of mixed dtypes (gathered as bytes, which
 no codec takes) are outside this arithmetic: a unit counts its largest
 element size.
+
+[Note: error-feedback memory]
+Quantized gradients with error feedback keep, per unit and between steps,
+a float32 residual of what each rank sends: ``s - 1`` rows of the
+reduce-scatter (the size of the rank's gradient shard on 2 ranks, nearly
+the unit's full gradient on many), and with replicas ``r - 1`` chunks of
+``ceil(k / r)`` plus one chunk of the all-reduce. :func:`feedback_bytes`
+is their sum; ``set_comm_codec(..., error_feedback=False)`` keeps none.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from shard_cli._plan import PlanConfig, UnitPlan, _rows
 from shard_core import FlatLayout, padded_dim0_size
 from shard_core.protocols import CommCodec
 
-__all__ = ["CommPerStep", "comm_per_step"]
+__all__ = ["CommPerStep", "comm_per_step", "feedback_bytes"]
 
 _F32 = 4
 
@@ -118,3 +126,25 @@ def comm_per_step(
             else:
                 reduced += _bytes(r, -(-reduce // r), reduce_dtype, grads)
     return CommPerStep(all_gather=gathered, reduce_scatter=scattered, all_reduce=reduced)
+
+
+def feedback_bytes(units: Sequence[UnitPlan], config: PlanConfig) -> int:
+    """Bytes of error-feedback residuals one rank keeps with quantized gradients.
+
+    See [Note: error-feedback memory].
+    """
+    layout = config.layout()
+    s, r = layout.shard, layout.replicate
+    total = 0
+    for unit in units:
+        if not unit.params:
+            continue
+        _, reduce = _row_numels(unit, config, s)
+        if not reduce:
+            continue
+        if s > 1:
+            total += (s - 1) * reduce * _F32
+        if r > 1:
+            chunk = -(-reduce // r)
+            total += r * chunk * _F32
+    return total

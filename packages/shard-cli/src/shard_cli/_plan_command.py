@@ -43,7 +43,7 @@ from shard_cli._plan import (
     plan_model_units,
     unsharded_memory,
 )
-from shard_cli._plan_comm import comm_per_step
+from shard_cli._plan_comm import comm_per_step, feedback_bytes
 from shard_cli._presets import PRESETS
 from shard_cli._strategy import compute_dtype, resolve_policy
 from shard_core import get_registry
@@ -204,6 +204,8 @@ def plan_report(
         comm[strategy] = {"plain": asdict(comm_per_step(units, config))}
         if codecs:
             comm[strategy]["quantized"] = asdict(comm_per_step(units, config, codecs))
+            if "grads" in codecs:
+                comm[strategy]["feedback_bytes"] = feedback_bytes(units, config)
     alone = unsharded_memory(units, activations=single, checkpointed=checkpointed)
     layouts = layout_comparison(units, world=world, precision=precision, rank=rank)
     return {
@@ -382,6 +384,12 @@ def _comm_lines(r: dict[str, Any], heads: list[str], width: int) -> list[str]:
             + "".join(
                 f"{(q / p if p else 1.0):>13.3f}x" for q, p in zip(totals, plain, strict=True)
             )
+        )
+    if any("feedback_bytes" in comm[n] for n in names):
+        kept = [comm[n].get("feedback_bytes", 0) for n in names]
+        lines.append(
+            f"  {'error feedback (kept)':<{width - 2}}"
+            + "".join(f"{format_bytes(c):>14}" for c in kept)
         )
     return lines
 

@@ -29,10 +29,11 @@ of shard. The runtime uses them for units that ``set_comm_codec`` selects.
 - error feedback (:class:`ErrorFeedback`): where the caller passes one,
   each encode adds what the previous one lost on that path (the residual)
   and keeps what this one loses, so over steps nothing is lost but the
-  last residual. The reduce-scatter keeps a residual the size of the full
-  gradient (its own row stays zero), the all-reduce one of the tensor and
-  one of a chunk. They are float32 and live as long as the caller keeps
-  the object.
+  last residual. The reduce-scatter keeps a residual of the rows it sends
+  (``group size - 1`` of them: on 2 ranks the size of this rank's gradient
+  shard, on many nearly the full gradient), the all-reduce one of the
+  chunks it sends and one of a chunk. They are float32 and live as long as
+  the caller keeps the object; ``shard plan --comm-quant`` counts them.
 
 A world of one sends nothing, so nothing is encoded: the all-gather copies,
 the reductions only divide. The encoded rows and the float32 rows decoded
@@ -308,16 +309,17 @@ def _encode_rows(
     """``rows`` (one per destination rank) encoded, with ``path``'s error feedback if any.
 
     This rank's own row is never sent, so it is not encoded (its bytes in the
-    send buffer are whatever they were) and its residual stays zero. See
-    [Note: Encoded collectives].
+    send buffer are whatever they were) and has no residual: the residual
+    holds the other ``size - 1`` rows, in rank order. See [Note: Encoded
+    collectives].
     """
     size, n = rows.shape
     send = leases.take(size, codec.encoded_nbytes(n), torch.uint8, rows.device)
-    residual = None if feedback is None else feedback.residual(path, size, n, rows.device)
     blocks = _others(rows, rank)
-    kept: list[torch.Tensor | None] = (
-        [None] * len(blocks) if residual is None else list(_others(residual, rank))
-    )
+    kept: list[torch.Tensor | None] = [None] * len(blocks)
+    if feedback is not None:
+        residual = feedback.residual(path, size - 1, n, rows.device)
+        kept = [block for block in (residual[:rank], residual[rank:]) if block.shape[0]]
     for values, out, lost in zip(blocks, _others(send, rank), kept, strict=True):
         codec.encode(values, out, lost)
     return send

@@ -268,8 +268,9 @@ class FSDPModule:
         full precision, and ``unshard()`` gives the decoded parameters forward
         computes with (as it gives ``param_dtype`` under mixed precision).
         ``error_feedback`` (with ``grads``) adds what each step's encoding lost
-        to the next step's gradient, which keeps a float32 residual of about
-        one full gradient of each unit between steps. For this module's unit
+        to the next step's gradient, which keeps a float32 residual of what
+        the rank sends between steps (``(N - 1) / N`` of each unit's full
+        gradient over N ranks; ``shard plan --comm-quant`` counts it). For this module's unit
         and, with ``recurse``, every sharded module below it; call it on the
         root after ``fully_shard`` to encode the whole model. See [Note: Comm
         codecs] in ``_unit.py``.

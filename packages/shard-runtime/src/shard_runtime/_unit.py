@@ -62,9 +62,11 @@ own dtype, so backward sees exactly the forward's parameters. With
 ``grad_codec`` the reduce-scatter (and on a 2-D mesh the replica
 all-reduce) sends encoded gradient rows, sums them in float32 and divides
 as the plain path does; with ``error_feedback`` each path keeps what its
-encodings lost (``ErrorFeedback``, one per gradient bucket, float32, about
-one full gradient of the unit plus a shard: see ``feedback_nbytes``) and
-adds it to the next step's gradient. A dtype no codec takes (the bytes of a
+encodings lost (``ErrorFeedback``, one per gradient bucket, float32: the
+rows this rank sends, ``(N - 1) / N`` of the unit's full gradient over N
+shard ranks, plus a shard's worth across replicas; see ``feedback_nbytes``,
+and ``shard plan --comm-quant``, which counts them) and adds it to the next
+step's gradient. A dtype no codec takes (the bytes of a
 mixed-dtype unit, float8) communicates plainly. Both are exclusive with the
 object that would replace the same collective: a custom all-gather, a
 custom reduce-scatter or a comm hook (refused where they are set).
