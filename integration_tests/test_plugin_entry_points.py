@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import shard_comm_lowp
+import shard_comm_quant
 import shard_device_accel
 import shard_device_accel.plugin
 import shard_device_cuda.plugin
@@ -45,8 +46,9 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
 def test_plugins_are_registered_under_their_entry_point_names(registry: Registry) -> None:
     """The manager holds each plugin module under its entry-point name."""
     pm = get_plugin_manager()
-    assert {"accel", "comm-lowp", "cuda"} <= set(registry.plugin_names())
+    assert {"accel", "comm-lowp", "comm-quant", "cuda"} <= set(registry.plugin_names())
     assert pm.get_plugin("comm-lowp") is shard_comm_lowp.plugin
+    assert pm.get_plugin("comm-quant") is shard_comm_quant.plugin
     assert pm.get_plugin("cuda") is shard_device_cuda.plugin
     assert pm.get_plugin("accel") is shard_device_accel.plugin
 
@@ -55,6 +57,14 @@ def test_compression_hooks_are_found_by_name(registry: Registry) -> None:
     """comm_hook('bf16_compress') and comm_hook('fp16_compress') are the plugin's hook objects."""
     assert registry.comm_hook("bf16_compress") is shard_comm_lowp.bf16_compress
     assert registry.comm_hook("fp16_compress") is shard_comm_lowp.fp16_compress
+
+
+def test_quantization_codecs_are_found_by_name(registry: Registry) -> None:
+    """comm_codec('int8') and comm_codec('int4') build the plugin's block-quantization codecs."""
+    int8 = registry.comm_codec("int8", block_size=128)
+    assert isinstance(int8, shard_comm_quant.BlockQuantCodec)
+    assert (int8.bits, int8.block_size) == (8, 128)
+    assert registry.comm_codec("int4").bits == 4
 
 
 def test_cuda_handle_is_found_for_cuda(registry: Registry) -> None:
@@ -83,6 +93,7 @@ def test_distinfo_names_the_installed_plugin_distributions(registry: Registry) -
         for plugin, dist in get_plugin_manager().list_plugin_distinfo()
     }
     assert listed[shard_comm_lowp.plugin] == ("shard-comm-lowp", shard_comm_lowp.__version__)
+    assert listed[shard_comm_quant.plugin] == ("shard-comm-quant", shard_comm_quant.__version__)
     assert listed[shard_device_cuda.plugin] == ("shard-device-cuda", shard_device_cuda.__version__)
     assert listed[shard_device_accel.plugin] == (
         "shard-device-accel",

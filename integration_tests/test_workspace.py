@@ -102,6 +102,7 @@ def test_the_bundled_distributions_are_found() -> None:
     plugin (so they cannot pass on none); a new distribution is found without a change here."""
     assert {f"packages/{name}" for name in LAYER_DEPENDENCIES} | {
         "plugins/shard-comm-lowp",
+        "plugins/shard-comm-quant",
         "plugins/shard-device-accel",
         "plugins/shard-device-cuda",
         "plugins/shard-wrap-example",

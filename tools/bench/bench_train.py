@@ -15,6 +15,12 @@ and machine. This script trains :class:`gpt.GPT` on synthetic tokens six ways
   FULL_SHARD, ``auto_wrap_policy=ModuleWrapPolicy({Block})``,
   ``use_orig_params=False`` (one flat parameter per block, one for the root);
 - ``shard_fsdp1``: shard ``FullyShardedDataParallel``, the same arguments;
+- ``shard_fsdp_quant`` / ``shard_fsdp1_quant`` (not in the default set):
+  ``shard_fsdp`` / ``shard_fsdp1`` with quantized communication,
+  ``set_comm_codec`` as ``--comm-quant`` says (default ``weights,grads``:
+  shard-comm-quant's int8 all-gathers and int8 reductions with error
+  feedback); their losses differ from ``single``'s by the quantization, so
+  they are held to ``--quant-loss-rtol`` instead of ``--loss-rtol``;
 
 each in its own freshly spawned processes (gloo, ``torch.set_num_threads(
 cores // world_size)`` in every process, ``single``'s included), so one
@@ -57,6 +63,13 @@ On a GPU (``tools/gpu/check.sh`` runs this), one rank against the plain model::
   for the wrappers; the report warns if a sharded implementation left one
   unsharded).
 - final loss: the last step's loss, averaged over ranks.
+- wire bytes: bytes per step of the collectives each rank issues in the
+  timed steps, by kind, in shard's convention (the unsharded buffer: an
+  all-gather's output, a reduce-scatter's input, an all-reduce's tensor):
+  shard's own counters (``count_collectives``) for shard's implementations,
+  and for PyTorch's the same convention counted around
+  ``torch.distributed``'s calls (``_TorchCommCounter``). A ratio of these
+  is a ratio of bytes on the wire. ``ddp`` reduces in C++ and is not counted.
 
 [Note: device and precision]
 ``--device cuda`` puts rank r on ``cuda:r`` with NCCL (``--world-size`` at
@@ -92,6 +105,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import importlib
+import inspect
 import io
 import json
 import os
@@ -114,24 +128,38 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shard_cli._comm_quant import apply_comm_quant, parse_comm_quant
 from shard_cli.gpt import GPT, Block, GPTConfig, synthetic_tokens
+from shard_comms import CommCounts, count_collectives
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spawn import run_ranks
 
-IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
-FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
-FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1")
+DEFAULT_IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
+QUANT_IMPLS = ("shard_fsdp_quant", "shard_fsdp1_quant")
+IMPLS = (*DEFAULT_IMPLS, *QUANT_IMPLS)
+FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1", *QUANT_IMPLS)
+FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1", "shard_fsdp1_quant")
+TORCH_IMPLS = ("torch_fsdp", "torch_fsdp1")
 # Where each FSDP implementation's names live (its ``wrap`` policies in ``<namespace>.wrap``).
 _FSDP_NAMESPACES = {
     "torch_fsdp": "torch.distributed.fsdp",
     "shard_fsdp": "shard_runtime",
     "torch_fsdp1": "torch.distributed.fsdp",
     "shard_fsdp1": "shard_runtime",
+    "shard_fsdp_quant": "shard_runtime",
+    "shard_fsdp1_quant": "shard_runtime",
 }
 # (shard's implementation, PyTorch's it is measured against); ratios are taken
 # against every reference present, targets for every shard implementation.
-PAIRS = (("shard_fsdp", "torch_fsdp"), ("shard_fsdp1", "torch_fsdp1"))
+PAIRS = (
+    ("shard_fsdp", "torch_fsdp"),
+    ("shard_fsdp1", "torch_fsdp1"),
+    ("shard_fsdp_quant", "torch_fsdp"),
+    ("shard_fsdp1_quant", "torch_fsdp1"),
+)
+QUANT_LOSS_RTOL = 2e-2  # quantized communication: see the module docstring
+WIRE_BYTES_TARGET = 0.30  # issue #27: quantized bytes on the wire at most 0.3x PyTorch's fp32
 PHASES = ("forward", "backward", "optimizer")
 PROFILERS = ("cprofile", "cprofile-cpu", "torch")
 FP32_LOSS_RTOL = 1e-4
@@ -160,6 +188,8 @@ class BenchConfig:
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, rank r on ``cuda:r``); see
             [Note: device and precision].
         precision: ``"fp32"``, or ``"bf16"`` compute; see [Note: device and precision].
+        comm_quant: what the ``*_quant`` implementations quantize (``shard train
+            --comm-quant``'s syntax: ``weights,grads``, ``grads=int4``...).
     """
 
     model: GPTConfig
@@ -174,6 +204,7 @@ class BenchConfig:
     profile_dir: str = "runs/bench_train_profile"
     device: str = "cpu"
     precision: str = "fp32"
+    comm_quant: str = "weights,grads"
 
     @property
     def global_batch(self) -> int:
@@ -200,6 +231,7 @@ class RankResult:
     all_sharded: bool
     profiled: bool
     peak_cuda_bytes: int = 0  # torch.cuda.max_memory_allocated; 0 on the CPU
+    wire_bytes: dict[str, float] = field(default_factory=dict)  # per timed step, by kind
 
     @property
     def state_bytes(self) -> int:
@@ -301,6 +333,11 @@ class ImplResult:
         return max(r.state_bytes for r in self.ranks)
 
     @property
+    def wire_bytes_per_step(self) -> float:
+        """Largest per-rank bytes per step of all collectives (0: not counted)."""
+        return max(sum(r.wire_bytes.values()) for r in self.ranks)
+
+    @property
     def peak_cuda_per_rank(self) -> list[int]:
         """Each rank's largest peak CUDA allocated bytes over repeats (0 on the CPU)."""
         return [
@@ -364,9 +401,17 @@ def _resident(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> dict
 
 
 def _wrap(
-    impl: str, model: GPT, mesh: DeviceMesh | None, device: torch.device, bf16: bool
+    impl: str,
+    model: GPT,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    bf16: bool,
+    comm_quant: str = "",
 ) -> nn.Module:
-    """``model`` (already on ``device``) wrapped as ``impl``; see [Note: device and precision]."""
+    """``model`` (already on ``device``) wrapped as ``impl``; see [Note: device and precision].
+
+    The ``*_quant`` implementations quantize what ``comm_quant`` says.
+    """
     low = torch.bfloat16 if bf16 else None
     reduce = torch.float32 if bf16 else None
     if impl == "single":
@@ -385,6 +430,8 @@ def _wrap(
         for block in model.iter_blocks():
             fsdp.fully_shard(block, mesh=mesh, mp_policy=policy)
         fsdp.fully_shard(model, mesh=mesh, mp_policy=policy)
+        if impl in QUANT_IMPLS:
+            apply_comm_quant(model, parse_comm_quant(comm_quant))
         return model
     wrap = importlib.import_module(f"{fsdp.__name__}.wrap")
     wrapped: nn.Module = fsdp.FullyShardedDataParallel(
@@ -395,6 +442,8 @@ def _wrap(
         use_orig_params=False,
         device_id=device,  # on the CPU too: PyTorch's wrapper asks for an accelerator otherwise
     )
+    if impl in QUANT_IMPLS:
+        apply_comm_quant(wrapped, parse_comm_quant(comm_quant))
     return wrapped
 
 
@@ -443,6 +492,84 @@ class _Profiler:
             self._torch.export_chrome_trace(f"{self.out}.trace.json")
             table = self._torch.key_averages().table(sort_by="self_cpu_time_total", row_limit=60)
             Path(f"{self.out}.torch.txt").write_text(f"# {steps} steps\n{table}\n")
+
+
+_WIRE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# torch.distributed function -> (kind, the argument whose bytes count): shard's convention.
+_TORCH_COLLECTIVES = {
+    "all_gather_single": ("all_gather", 0),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather": ("all_gather", 0),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "all_reduce": ("all_reduce", 0),
+}
+
+
+class _TorchCommCounter:
+    """Bytes of PyTorch FSDP's collectives, counted around ``torch.distributed``'s functions.
+
+    FSDP2 and FSDP1 call ``dist.all_gather_single`` and friends through the
+    module at call time, so replacing the module attributes for the timed
+    steps sees every call; bytes follow shard's convention (see [Note: what
+    is measured]).
+    """
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(_WIRE_KINDS, 0)
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _TorchCommCounter:
+        for name, (kind, index) in _TORCH_COLLECTIVES.items():
+            original = getattr(dist, name)
+            self._saved[name] = original
+            setattr(dist, name, self._counting(original, kind, index))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+    def _counting(self, original: Any, kind: str, index: int) -> Any:
+        name = list(inspect.signature(original).parameters)[index]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            value = args[index] if len(args) > index else kwargs[name]
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors)
+            return original(*args, **kwargs)
+
+        return call
+
+
+class _WireCounter:
+    """Per-step bytes of one rank's collectives in the timed steps; see [Note: what is measured]."""
+
+    def __init__(self, impl: str) -> None:
+        self.impl = impl
+        self._torch: _TorchCommCounter | None = None
+        self._shard: Any = None
+        self._counts: CommCounts | None = None
+
+    def start(self) -> None:
+        if self.impl in TORCH_IMPLS:
+            self._torch = _TorchCommCounter().__enter__()
+        elif self.impl in FSDP_IMPLS:
+            self._shard = count_collectives()
+            self._counts = self._shard.__enter__()
+
+    def stop(self, steps: int) -> dict[str, float]:
+        if self._torch is not None:
+            self._torch.__exit__(None, None, None)
+            return {kind: n / steps for kind, n in self._torch.bytes.items()}
+        if self._shard is not None and self._counts is not None:
+            self._shard.__exit__(None, None, None)
+            counts = self._counts
+            return {
+                kind: counts.bytes(kind) / steps
+                for kind in ("all_gather", "reduce_scatter", "all_reduce")
+            }
+        return {}
 
 
 # Where self time is spent, from a cProfile key ``(file, line, function)``;
@@ -507,11 +634,14 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         torch.manual_seed(cfg.seed)
-        model = _wrap(impl, GPT(cfg.model).to(device), mesh, device, cfg.precision == "bf16")
+        model = _wrap(
+            impl, GPT(cfg.model).to(device), mesh, device, cfg.precision == "bf16", cfg.comm_quant
+        )
         optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
         per_rank = cfg.global_batch // world
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
         profiler = _Profiler(cfg, impl, rank)
+        wire = _WireCounter(impl)
         step_times: list[float] = []
         step_cpu_times: list[float] = []
         phase_times: dict[str, list[float]] = {phase: [] for phase in PHASES}
@@ -522,6 +652,7 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
             inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
             if step == cfg.warmup:
                 profiler.start()
+                wire.start()
             sync()
             if world > 1:
                 dist.barrier()
@@ -546,6 +677,7 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
                 phase_times["backward"].append(backward_end - forward_end)
                 phase_times["optimizer"].append(end - backward_end)
         profiler.stop(cfg.steps)
+        wire_bytes = wire.stop(cfg.steps)
         resident = _resident(impl, model, optim)
         queue.put(
             RankResult(
@@ -559,6 +691,7 @@ def _rank_main(rank: int, impl: str, cfg: BenchConfig, init_file: str, queue: An
                 base_rss=base_rss,
                 profiled=profiler.kind is not None,
                 peak_cuda_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
+                wire_bytes=wire_bytes,
                 **resident,
             )
         )
@@ -626,7 +759,10 @@ def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float)
             "max_rel_diff_any_step": max(per_step),
             "repeats_bitwise_equal": repeats_agree,
         }
-    losses_match = all(v["max_rel_diff_any_step"] <= loss_rtol for v in losses.values())
+    losses_match = all(
+        v["max_rel_diff_any_step"] <= (QUANT_LOSS_RTOL if name in QUANT_IMPLS else loss_rtol)
+        for name, v in losses.items()
+    )
     state: dict[str, Any] = {}
     for name in FSDP_IMPLS:
         if name in results:
@@ -648,6 +784,10 @@ def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float)
                 "peak_rss_le_torch": shard["peak_rss"] <= 1.0,
                 "state_within_0.1pct_of_full_over_n": state[shard_name]["met"],
             }
+            if shard_name in QUANT_IMPLS:
+                targets[shard_name]["wire_bytes_ratio_le_0.30"] = (
+                    shard["wire_bytes"] <= WIRE_BYTES_TARGET
+                )
     return {
         "full_state_bytes": full,
         "full_state_over_n_bytes": per_rank_ideal,
@@ -672,6 +812,11 @@ def _ratios(r: ImplResult, ref: ImplResult) -> dict[str, float]:
             max(r.peak_rss_over_base_per_rank) / max(ref.peak_rss_over_base_per_rank)
         ),
         "state_bytes": r.state_bytes / ref.state_bytes,
+        "wire_bytes": (
+            r.wire_bytes_per_step / ref.wire_bytes_per_step
+            if r.wire_bytes_per_step and ref.wire_bytes_per_step
+            else float("nan")
+        ),
     }
 
 
@@ -687,9 +832,9 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
         f"{cfg.global_batch * cfg.model.seq_len} steps={cfg.steps} warmup={cfg.warmup} "
         f"repeat={repeat} threads/rank={cfg.threads}{setting}",
         "",
-        f"{'impl':<11} {'step ms':>8} {'per-repeat':>15} {'cpu ms':>7} {'tokens/s':>9} "
+        f"{'impl':<17} {'step ms':>8} {'per-repeat':>15} {'cpu ms':>7} {'tokens/s':>9} "
         f"{'peakRSS MiB/rank':>17} {'(over base)':>12} {'state MiB/rank':>15} {'final loss':>10}"
-        + (f" {'peakCUDA MiB/rank':>18}" if cuda else ""),
+        f" {'wire MiB/step':>13}" + (f" {'peakCUDA MiB/rank':>18}" if cuda else ""),
     ]
     for name, r in results.items():
         runs = "/".join(f"{m * 1e3:.0f}" for m in r.run_medians)
@@ -698,17 +843,17 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
         state = "/".join(_mib(x.state_bytes) for x in r.ranks)
         peak_cuda = "/".join(_mib(x) for x in r.peak_cuda_per_rank)
         flag = " (profiled)" if any(x.profiled for ranks in r.runs for x in ranks) else ""
+        wire = _mib(r.wire_bytes_per_step) if r.wire_bytes_per_step else "-"
         lines.append(
-            f"{name:<11} {r.median_step_s * 1e3:>8.1f} {runs:>15} {r.median_cpu_s * 1e3:>7.0f} "
+            f"{name:<17} {r.median_step_s * 1e3:>8.1f} {runs:>15} {r.median_cpu_s * 1e3:>7.0f} "
             f"{r.tokens_per_s:>9.0f} {rss:>17} {over:>12} {state:>15} {r.final_loss:>10.6f}"
-            + (f" {peak_cuda:>18}" if cuda else "")
-            + flag
+            f" {wire:>13}" + (f" {peak_cuda:>18}" if cuda else "") + flag
         )
     lines.append("")
-    lines.append(f"{'phases ms':<11} {'forward':>8} {'backward':>9} {'optimizer':>10}")
+    lines.append(f"{'phases ms':<17} {'forward':>8} {'backward':>9} {'optimizer':>10}")
     for name, r in results.items():
         fwd, bwd, opt = (r.median_phase_s(phase) * 1e3 for phase in PHASES)
-        lines.append(f"{name:<11} {fwd:>8.1f} {bwd:>9.1f} {opt:>10.1f}")
+        lines.append(f"{name:<17} {fwd:>8.1f} {bwd:>9.1f} {opt:>10.1f}")
     lines.append(
         f"full state {_mib(analysis['full_state_bytes'])} MiB; "
         f"full/N = {_mib(analysis['full_state_over_n_bytes'])} MiB"
@@ -716,14 +861,14 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
     for reference, ratios in analysis["ratios"].items():
         lines += [
             "",
-            f"ratios vs {reference + ':':<12} step time  cpu time  tokens/s  peak RSS  (over base)"
-            "  state",
+            f"ratios vs {reference + ':':<18} step time  cpu time  tokens/s  peak RSS  (over base)"
+            "  state   wire",
         ]
         for name, q in ratios.items():
             lines.append(
-                f"  {name:<11} {q['step_time']:>18.3f} {q['cpu_time']:>9.3f} "
+                f"  {name:<17} {q['step_time']:>18.3f} {q['cpu_time']:>9.3f} "
                 f"{q['tokens_per_s']:>9.3f} {q['peak_rss']:>9.3f} {q['peak_rss_over_base']:>12.3f} "
-                f"{q['state_bytes']:>6.3f}"
+                f"{q['state_bytes']:>6.3f} {q['wire_bytes']:>6.3f}"
             )
     for name, s in analysis["state"].items():
         lines.append(
@@ -733,10 +878,13 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
             form = "flat 1-D shards" if name in FLAT_IMPLS else "DTensors"
             lines.append(f"WARNING {name}: some parameters are not {form} after the last step")
     lines.append("")
-    lines.append(f"losses vs {analysis['loss_reference']} (rtol {analysis['loss_rtol']:g}):")
+    lines.append(
+        f"losses vs {analysis['loss_reference']} (rtol {analysis['loss_rtol']:g}; "
+        f"{QUANT_LOSS_RTOL:g} for quantized communication):"
+    )
     for name, v in analysis["losses"].items():
         lines.append(
-            f"  {name:<11} final {v['final']:.6f}  final rel diff {v['final_rel_diff']:.2e}  "
+            f"  {name:<17} final {v['final']:.6f}  final rel diff {v['final_rel_diff']:.2e}  "
             f"max rel diff over steps {v['max_rel_diff_any_step']:.2e}"
             + ("" if v["repeats_bitwise_equal"] else "  (repeats differ)")
         )
@@ -782,8 +930,15 @@ def _parse(argv: list[str] | None) -> _Args:
     )
     parser.add_argument(
         "--impls",
-        default=",".join(IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)}",
+        default=",".join(DEFAULT_IMPLS),
+        help=f"comma-separated subset of {','.join(IMPLS)} (default: all but the *_quant ones)",
+    )
+    parser.add_argument(
+        "--comm-quant",
+        dest="comm_quant",
+        default="weights,grads",
+        help="what the *_quant implementations quantize (shard train --comm-quant syntax; "
+        "default weights,grads: int8 all-gathers and int8 reductions with error feedback)",
     )
     parser.add_argument(
         "--loss-rtol",
@@ -840,6 +995,7 @@ def _parse(argv: list[str] | None) -> _Args:
         profile_dir=args.profile_dir,
         device=args.device,
         precision=args.precision,
+        comm_quant=args.comm_quant,
     )
     loss_rtol = args.loss_rtol
     if loss_rtol is None:

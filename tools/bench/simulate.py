@@ -41,6 +41,12 @@ construction and full training steps. Run from the repository root::
   train's ``profile_step``), against ``shard plan``'s estimated peak for the
   same batch. A fake process group allocates no staging buffers, and plan
   counts none on CPU either.
+- quantized communication (``--comm-quant weights,grads``, off by default):
+  GPT-2 XL's shapes again, each unit's communication quantized as ``shard
+  train --comm-quant`` does (shard-comm-quant's codecs run on the fake
+  tensors), one step after the first; the bytes shard's counters count per
+  kind against ``shard plan --comm-quant``'s arithmetic (``=``) and against
+  the same step without quantization.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from multiprocessing import get_context
 from typing import Any
 
@@ -58,11 +65,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard_cli._activations import lm_activation_profile
+from shard_cli._comm_quant import apply_comm_quant, comm_quant_codecs, parse_comm_quant
 from shard_cli._measure import StepTrace, profile_step
 from shard_cli._plan import PlanConfig, estimate_memory, plan_model_units, unsharded_memory
+from shard_cli._plan_comm import comm_per_step
 from shard_cli.gpt import GPT, Block, GPTConfig
 from shard_comms import _collectives, count_collectives
-from shard_core import held_bytes
+from shard_core import get_registry, held_bytes
 from shard_runtime import ModuleWrapPolicy
 from shard_testing.simulate import Frontend, shard_blocks, simulate
 
@@ -133,6 +142,44 @@ def state_task(world: int, frontend: Frontend, layers: int) -> dict[str, Any]:
         "pg_bytes": sum(step.bytes.values()),
         "construct_cpu_s": sim.construct_cpu_s,
         "step_cpu_s": step.cpu_s,
+    }
+
+
+def comm_task(world: int, frontend: Frontend, layers: int, comm_quant: str) -> dict[str, Any]:
+    """GPT-2 XL's shapes with quantized communication: counted bytes of a step against the plan."""
+    torch.set_num_threads(1)
+    _collectives._CHUNKED_GATHER_DEVICES = frozenset()  # see [Note: what the tables are]
+    parts = parse_comm_quant(comm_quant)
+    config = GPTConfig(**{**XL.__dict__, "n_layers": layers})
+
+    def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model, optim = _builder(config, frontend)(mesh)
+        apply_comm_quant(model, parts)
+        return model, optim
+
+    sim = simulate(
+        build,
+        lambda: torch.randint(0, config.vocab_size, (1, 8)),
+        world_size=world,
+        steps=2,
+        fake_tensors=True,
+        measure=count_collectives,
+    )
+    counts = sim.extra[-1]
+    with torch.device("meta"):
+        units = plan_model_units(GPT(config), ModuleWrapPolicy({Block}))
+    codecs = {s: get_registry().comm_codec(n) for s, n in comm_quant_codecs(parts).items()}
+    plan_config = PlanConfig(
+        frontend="wrapper" if frontend == "wrapper" else "fully_shard", world=world
+    )
+    kinds = ("all_gather", "reduce_scatter", "all_reduce")
+    return {
+        "world": world,
+        "frontend": frontend,
+        "comm_quant": list(parts),
+        "counted": {k: counts.bytes(k) for k in kinds},  # type: ignore[arg-type]
+        "plan": asdict(comm_per_step(units, plan_config, codecs)),
+        "plan_plain": asdict(comm_per_step(units, plan_config)),
     }
 
 
@@ -252,6 +299,25 @@ def _print_state(
         )
 
 
+def _print_comm(rows: list[dict[str, Any]], layers: int) -> None:
+    parts = ",".join(rows[0]["comm_quant"]) if rows else ""
+    print(
+        f"\nGPT-2 XL shapes ({layers} blocks + root), rank 0, fp32, --comm-quant {parts}: "
+        "bytes per step counted by shard against shard plan\n"
+        f"{'world':>6} {'frontend':>12} {'all-gather MiB':>15} {'reduce-sc. MiB':>15} "
+        f"{'plan':>5} {'GiB/step':>9} {'fp32 GiB/step':>14} {'ratio':>7}"
+    )
+    for r in rows:
+        counted, plain = r["counted"], r["plan_plain"]
+        total, fp32 = sum(counted.values()), sum(plain.values())
+        print(
+            f"{r['world']:>6} {r['frontend']:>12} {_mib(counted['all_gather']):>15} "
+            f"{_mib(counted['reduce_scatter']):>15} "
+            f"{'=' if counted == r['plan'] else 'DIFF':>5} {total / 2**30:>9.3f} "
+            f"{fp32 / 2**30:>14.3f} {total / fp32:>6.3f}x"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the simulations and print the tables; the exit status (1: plan disagreed)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -262,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-layers", type=int, default=8, help="blocks of the world table")
     parser.add_argument("--steps", type=int, default=6, help="engine steps (first is dropped)")
     parser.add_argument("--jobs", type=int, default=2, help="processes for the state table")
+    parser.add_argument(
+        "--comm-quant",
+        default="",
+        help="also simulate GPT-2 XL with quantized communication (shard train --comm-quant "
+        "syntax, e.g. weights,grads) and check shard plan's bytes per step",
+    )
     parser.add_argument("--json", help="write every figure as JSON to this file")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -329,6 +401,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{_mib(r['plan_peak']):>9} {r['ratio']:>14.3f}"
         )
     agree = all(_plan_agrees(r) for r in states)
+    comm_rows: list[dict[str, Any]] = []
+    if args.comm_quant:
+        with ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            futures = [
+                pool.submit(comm_task, w, f, args.layers, args.comm_quant)
+                for w in args.worlds
+                for f in ("fully_shard", "wrapper")
+            ]
+            comm_rows = [f.result() for f in futures]
+        _print_comm(comm_rows, args.layers)
+        agree = agree and all(r["counted"] == r["plan"] for r in comm_rows)
 
     print(
         f"\nshard plan {'agrees exactly' if agree else 'DISAGREES'} on state bytes at every size; "
@@ -336,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as out:
-            json.dump({"state": states, "engine": engine_rows, "peak": peaks}, out, indent=2)
+            json.dump(
+                {"state": states, "engine": engine_rows, "peak": peaks, "comm": comm_rows},
+                out,
+                indent=2,
+            )
     return 0 if agree else 1
 
 

@@ -30,6 +30,8 @@ def test_the_front_door_holds_what_a_training_script_uses() -> None:
         "DefaultGradReducer",
         "reduce_gradient",
         "resolve_comm_hook",
+        "resolve_comm_codec",
+        "ErrorFeedback",
         "get_device_handle",
         "buffer_cache_info",
     }

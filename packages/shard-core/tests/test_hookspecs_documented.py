@@ -19,8 +19,9 @@ HOOKSPECS = sorted(
 
 
 def test_hookspecs_are_found() -> None:
-    """The check below sees the four hooks of the plugin registry (and cannot pass on none)."""
+    """The check below sees the five hooks of the plugin registry (and cannot pass on none)."""
     assert HOOKSPECS == [
+        "shard_comm_codecs",
         "shard_comm_hooks",
         "shard_device_handle",
         "shard_state_dict_backend",

@@ -280,7 +280,7 @@ def test_plugin_implementing_an_unknown_hook_is_skipped(monkeypatch: pytest.Monk
     install(monkeypatch, FakeEntryPoint("typo", FakeDist("shard-typo", "1.0"), Typo()))
     message = (
         "shard-typo 1.0 (plugin 'typo') implements hooks shard does not define: "
-        "shard_wrap_policy (known: shard_comm_hooks, shard_device_handle, "
+        "shard_wrap_policy (known: shard_comm_codecs, shard_comm_hooks, shard_device_handle, "
         "shard_state_dict_backend, shard_wrap_policies); "
         "it was skipped. Fix or uninstall shard-typo, or block it with "
         "SHARD_DISABLE_PLUGINS=typo to silence this warning."

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from shard_cli._comm_quant import COMM_QUANT_HELP, check_comm_quant
 from shard_cli._finetune import add_finetuning_flags
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, TrainOptions, resolve_options
 from shard_cli._presets import PRESETS
@@ -201,6 +202,7 @@ def _add_optimization(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="torch.compile each block (on CPU it needs a C compiler)",
     )
+    p.add_argument("--comm-quant", dest="comm_quant", metavar="PARTS", help=COMM_QUANT_HELP)
     p.add_argument(
         "--tensorboard",
         action="store_true",
@@ -261,6 +263,7 @@ def _train(given: dict[str, object], argv: Sequence[str]) -> int:
     try:
         options = resolve_options(_with_config_file(dict(given)))
         _check_policy(options.wrap_policy)
+        check_comm_quant(options.comm_quant)
         if options.tensorboard:
             from shard_cli._tensorboard import check_tensorboard
 

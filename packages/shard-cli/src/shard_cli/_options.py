@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from shard_cli._comm_quant import parse_comm_quant
 from shard_cli._presets import get_preset
 from shard_cli._schedule import LR_SCHEDULES, LrSchedule
 
@@ -61,6 +62,8 @@ RESUMABLE_CHANGES = frozenset(
         "activation_checkpointing",
         "compile",
         "tensorboard",
+        # What crosses the wire; the checkpoint keeps full precision either way.
+        "comm_quant",
     }
 )
 
@@ -142,6 +145,8 @@ class TrainOptions:
         freeze: Shell-style patterns (``fnmatch``) over parameter qualified
             names; matching parameters get ``requires_grad=False`` before
             sharding (after the LoRA adapters are added).
+        comm_quant: What is quantized on the wire, as ``("weights=int8",
+            "grads=int8")`` (see ``_comm_quant.py``); ``()``: nothing.
     """
 
     preset: str = "small"
@@ -186,12 +191,14 @@ class TrainOptions:
     lora_alpha: float | None = None
     lora_targets: tuple[str, ...] | None = None
     freeze: tuple[str, ...] = ()
+    comm_quant: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # JSON (config.json), a config file and argparse give lists or a comma-separated
         # string; the options hold tuples, so that equal runs compare equal.
         for name in ("lora_targets", "freeze"):
             object.__setattr__(self, name, normalise_names(name, getattr(self, name)))
+        object.__setattr__(self, "comm_quant", parse_comm_quant(self.comm_quant))
         get_preset(self.preset)
         if self.model and self.hf_config:
             raise ValueError("give one model, got --model and --hf-config")

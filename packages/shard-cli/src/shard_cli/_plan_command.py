@@ -21,6 +21,7 @@ import torch
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks
+from shard_cli._comm_quant import COMM_QUANT_HELP, comm_quant_codecs, parse_comm_quant
 from shard_cli._finetune import Finetuning, add_finetuning_flags, finetuned_source
 from shard_cli._format import format_bytes
 from shard_cli._model_source import ModelSource, load_model_source, parse_key_values
@@ -42,8 +43,10 @@ from shard_cli._plan import (
     plan_model_units,
     unsharded_memory,
 )
+from shard_cli._plan_comm import comm_per_step, feedback_bytes
 from shard_cli._presets import PRESETS
 from shard_cli._strategy import compute_dtype, resolve_policy
+from shard_core import get_registry
 from shard_core.errors import ShardError
 
 __all__ = ["add_plan_parser", "format_plan", "layout_comparison", "plan_report", "run_plan"]
@@ -126,12 +129,19 @@ def plan_report(
     rank: int,
     flat: bool = False,
     activation_checkpointing: bool = False,
+    comm_quant: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Everything ``shard plan`` prints, as a JSON-able dict (see :func:`format_plan`).
 
     ``activation_checkpointing``: the blocks ``shard train --activation-checkpointing``
-    recomputes keep only their inputs from forward to backward.
+    recomputes keep only their inputs from forward to backward. ``comm_quant``:
+    the parts ``--comm-quant`` quantizes (``("weights=int8", "grads=int8")``);
+    the bytes per step are shown with and without them.
     """
+    quant = parse_comm_quant(tuple(comm_quant))
+    codecs = {
+        side: get_registry().comm_codec(name) for side, name in comm_quant_codecs(quant).items()
+    }
     policy_name = source.default_policy if wrap_policy == "auto" else wrap_policy
     with torch.device("meta"):
         model = source.build()
@@ -177,6 +187,7 @@ def plan_report(
     # Frozen parameters (--lora, --freeze): the wrapper keeps the originals (use_orig_params).
     frozen = any(u.frozen for u in units)
     columns: dict[str, MemoryEstimate] = {}
+    comm: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
         config = PlanConfig(
             frontend=frontend,
@@ -191,6 +202,11 @@ def plan_report(
         columns[strategy] = estimate_memory(
             units, config, activations=activations, rank=rank, checkpointed=checkpointed
         )
+        comm[strategy] = {"plain": asdict(comm_per_step(units, config))}
+        if codecs:
+            comm[strategy]["quantized"] = asdict(comm_per_step(units, config, codecs))
+            if "grads" in codecs:
+                comm[strategy]["feedback_bytes"] = feedback_bytes(units, config)
     alone = unsharded_memory(units, activations=single, checkpointed=checkpointed)
     layouts = layout_comparison(units, world=world, precision=precision, rank=rank)
     return {
@@ -227,6 +243,8 @@ def plan_report(
         },
         "unsharded": {k: v for k, v in asdict(alone).items() if k != "config"},
         "layouts": layouts,
+        "comm_quant": list(quant),
+        "comm_per_step": comm,
     }
 
 
@@ -324,6 +342,8 @@ def format_plan(report: dict[str, Any]) -> list[str]:
         )
     if r["note"]:
         lines.append(f"  ({r['note']})")
+    if "comm_per_step" in r:
+        lines += _comm_lines(r, heads, width)
     layouts = r["layouts"]
     names = [n for n, _, _ in _LAYOUTS]
     lines += [
@@ -336,6 +356,49 @@ def format_plan(report: dict[str, Any]) -> list[str]:
         f"  {'ratio to ideal':<{width - 2}}"
         + "".join(f"{layouts[n]['ratio']:>13.4f}x" for n in names),
     ]
+    return lines
+
+
+_COMM_ROWS = (("all-gather", "all_gather"), ("reduce-scatter", "reduce_scatter"))
+
+
+def _comm_lines(r: dict[str, Any], heads: list[str], width: int) -> list[str]:
+    """The communication table: bytes one rank's collectives count per step, per strategy."""
+    comm = r["comm_per_step"]
+    names = list(comm)
+    quant = r.get("comm_quant") or []
+    shown = "quantized" if quant else "plain"
+    what = f"--comm-quant {','.join(quant)}" if quant else "no --comm-quant"
+    lines = [
+        "",
+        f"communication per step (rank {r['rank']}, {what}; bytes of each collective's "
+        "buffer, as shard counts them):",
+        " " * width + "".join(f"{h:>14}" for h in heads),
+    ]
+    rows = (*_COMM_ROWS, ("all-reduce (replicas)", "all_reduce"))
+    for label, key in rows:
+        cells = [comm[n][shown][key] for n in names]
+        lines.append(f"  {label:<{width - 2}}" + "".join(f"{format_bytes(c):>14}" for c in cells))
+    totals = [sum(comm[n][shown].values()) for n in names]
+    lines.append(f"  {'total':<{width - 2}}" + "".join(f"{format_bytes(c):>14}" for c in totals))
+    if quant:
+        plain = [sum(comm[n]["plain"].values()) for n in names]
+        lines.append(
+            f"  {'without --comm-quant':<{width - 2}}"
+            + "".join(f"{format_bytes(c):>14}" for c in plain)
+        )
+        lines.append(
+            f"  {'ratio':<{width - 2}}"
+            + "".join(
+                f"{(q / p if p else 1.0):>13.3f}x" for q, p in zip(totals, plain, strict=True)
+            )
+        )
+    if any("feedback_bytes" in comm[n] for n in names):
+        kept = [comm[n].get("feedback_bytes", 0) for n in names]
+        lines.append(
+            f"  {'error feedback (kept)':<{width - 2}}"
+            + "".join(f"{format_bytes(c):>14}" for c in kept)
+        )
     return lines
 
 
@@ -407,6 +470,7 @@ def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "is), e.g. --wrap-policy size --wrap-option min_num_params=1000000",
     )
     add_finetuning_flags(p, alpha=False)
+    p.add_argument("--comm-quant", dest="comm_quant", metavar="PARTS", help=COMM_QUANT_HELP)
     p.add_argument("--batch", type=int, help="sequences per rank for the activation estimate")
     p.add_argument("--seq", type=int, help="sequence length for the activation estimate")
     p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")
@@ -467,6 +531,7 @@ def run_plan(args: argparse.Namespace) -> int:
             rank=args.rank,
             flat=args.flat,
             activation_checkpointing=args.activation_checkpointing,
+            comm_quant=parse_comm_quant(args.comm_quant),
         )
     except (ValueError, ShardError) as exc:
         print(f"shard plan: {exc}", file=sys.stderr)

@@ -80,6 +80,7 @@ from torch.distributed.tensor import DTensor
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks, find_blocks, wrap_blocks
+from shard_cli._comm_quant import apply_comm_quant
 from shard_cli._corpus import CharCorpus, TokenFile, load_data
 from shard_cli._finetune import Finetuning, finetuned_source, parameter_counts
 from shard_cli._measured_steps import MeasuredSteps
@@ -414,6 +415,7 @@ class _Run:
             device=self.device,
             use_orig_params=self.trainable < self.parameters,
         )
+        apply_comm_quant(self.model, options.comm_quant)
         materialise_sharded(
             self.model,
             self.source,
@@ -747,6 +749,8 @@ class _Run:
             parts.append("activation checkpointing")
         if o.compile:
             parts.append("compiled blocks")
+        if o.comm_quant:
+            parts.append(f"quantized communication ({', '.join(o.comm_quant)})")
         return "".join(f", {p}" for p in parts)
 
     def _short_name(self) -> str:

@@ -6,6 +6,8 @@ to describe its data-parallel layout. The runtime calls the collectives
 :func:`broadcast`) on every step; :func:`count_collectives` counts them and
 the flight recorder (:func:`flight_recorder`) records them, so that a failed
 one raises a :class:`CollectiveError` naming every rank's last collective.
+Comm codecs (:func:`resolve_comm_codec`, a plugin's ``"int8"``) encode what
+the collectives send.
 
 What only shard's own packages use (cached groups, the steps of
 ``init_distributed``, cache resetters) lives in :mod:`shard_comms.plumbing`.
@@ -23,6 +25,7 @@ from shard_comms._counters import (
 from shard_comms._custom import CustomAllGather, CustomReduceScatter
 from shard_comms._device import get_device_handle
 from shard_comms._diagnose import format_flight_table, load_flight_dump
+from shard_comms._encoded import CodecSpec, ErrorFeedback, resolve_comm_codec
 from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder
 from shard_comms._groups import mesh_groups
 from shard_comms._hooks import (
@@ -38,6 +41,7 @@ from shard_core.errors import CollectiveError, CommError, DistributedInitError, 
 
 __all__ = [
     "BufferCacheInfo",
+    "CodecSpec",
     "CollectiveError",
     "CollectiveStats",
     "CommCounts",
@@ -48,6 +52,7 @@ __all__ = [
     "DefaultGradReducer",
     "DistributedInitError",
     "DistributedState",
+    "ErrorFeedback",
     "FlightEntry",
     "FlightRecorder",
     "MeshError",
@@ -69,5 +74,6 @@ __all__ = [
     "reduce_gradient",
     "reduce_scatter",
     "reset_comm_counters",
+    "resolve_comm_codec",
     "resolve_comm_hook",
 ]

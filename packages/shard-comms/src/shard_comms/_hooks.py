@@ -23,7 +23,10 @@ divide-factor staging exists once: ``pre_divide`` before the reduce-scatter,
 ``post_divide`` after it on a 1-D mesh, after the replica all-reduce on a
 hybrid one. A unit whose communication controls move the division
 (``gradient_divide_factor``, ``force_sum_reduction_for_comms``) passes
-``op="sum"`` and its own factors.
+``op="sum"`` and its own factors. A unit with a comm codec
+(``set_comm_codec(grads=...)``) passes it here: both halves then send
+encoded rows and sum them in float32 (``_encoded.py``), with the unit's
+error feedback.
 """
 
 from __future__ import annotations
@@ -41,10 +44,15 @@ from shard_comms._collectives import (
     resolve_divide_factors,
 )
 from shard_comms._custom import CustomReduceScatter, custom_reduce_scatter
+from shard_comms._encoded import (
+    ErrorFeedback,
+    encoded_all_reduce,
+    encoded_reduce_scatter,
+)
 from shard_core import get_registry
 from shard_core.errors import CommError, ShardError
 from shard_core.plugin import plugin_call_error
-from shard_core.protocols import CommHook, GradReducer
+from shard_core.protocols import CommCodec, CommHook, GradReducer
 
 __all__ = ["DefaultGradReducer", "default_comm_hook", "reduce_gradient", "resolve_comm_hook"]
 
@@ -75,6 +83,10 @@ class DefaultGradReducer:
             shard's.
         algorithm: How to reduce-scatter (see :func:`reduce_scatter`).
         label: Label for counters and profiler ranges (the unit's module name).
+        codec: Encodes what the reductions send (``_encoded.py``); ``None``:
+            they send the gradient's own dtype. Not with ``custom_reduce_scatter``.
+        feedback: The error feedback the codec's reductions keep their
+            residuals in (one per unit and bucket); ``None``: none.
 
     ``world_size`` is the size of ``group``: the number of pieces a sharded
     gradient is split into, so ``output`` has ``grad.numel() // world_size``
@@ -84,8 +96,10 @@ class DefaultGradReducer:
 
     __slots__ = (
         "_algorithm",
+        "_codec",
         "_custom",
         "_data_parallel_size",
+        "_feedback",
         "_group",
         "_label",
         "_post_divide",
@@ -105,7 +119,14 @@ class DefaultGradReducer:
         custom_reduce_scatter: CustomReduceScatter | None = None,
         algorithm: ReduceAlgorithm = "auto",
         label: str | None = None,
+        codec: CommCodec | None = None,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
+        if codec is not None and custom_reduce_scatter is not None:
+            raise CommError(
+                f"DefaultGradReducer({label or 'unlabelled'}): a comm codec and a custom "
+                "reduce-scatter both replace the reduce-scatter; set one of them"
+            )
         self._group = group
         self._replicate_group = replicate_group
         self._world_size = _group_size(group)
@@ -117,6 +138,8 @@ class DefaultGradReducer:
         self._custom = custom_reduce_scatter
         self._algorithm: ReduceAlgorithm = algorithm
         self._label = label
+        self._codec = codec
+        self._feedback = feedback
 
     # - GradReducer protocol
     @property
@@ -145,13 +168,24 @@ class DefaultGradReducer:
         ``grad`` is scratch afterwards when ``output`` is given.
         """
         if output is None:
-            all_reduce(
-                grad,
-                self._group,
-                pre_divide=self._pre_divide,
-                post_divide=self.scatter_post_divide,
-                label=self._label,
-            )
+            if self._codec is not None:
+                encoded_all_reduce(
+                    self._codec,
+                    grad,
+                    self._group,
+                    feedback=self._feedback,
+                    pre_divide=self._pre_divide,
+                    post_divide=self.scatter_post_divide,
+                    label=self._label,
+                )
+            else:
+                all_reduce(
+                    grad,
+                    self._group,
+                    pre_divide=self._pre_divide,
+                    post_divide=self.scatter_post_divide,
+                    label=self._label,
+                )
             target = grad
         else:
             target, work = self.scatter(grad, output)
@@ -194,6 +228,18 @@ class DefaultGradReducer:
                 "DefaultGradReducer.scatter: output is None; pass the tensor that receives "
                 "this rank's slice (only a custom reduce-scatter allocates its own)"
             )
+        if self._codec is not None:
+            return output, encoded_reduce_scatter(
+                self._codec,
+                output,
+                grad,
+                self._group,
+                feedback=self._feedback,
+                pre_divide=self._pre_divide,
+                post_divide=self.scatter_post_divide,
+                async_op=async_op,
+                label=self._label,
+            )
         work = reduce_scatter(
             output,
             grad,
@@ -208,7 +254,17 @@ class DefaultGradReducer:
 
     def all_reduce_replicas(self, target: torch.Tensor) -> None:
         """All-reduce the reduced ``target`` across the replicate group; no-op on a 1-D mesh."""
-        if self._replicate_group is not None:
+        if self._replicate_group is not None and self._codec is not None:
+            encoded_all_reduce(
+                self._codec,
+                target,
+                self._replicate_group,
+                feedback=self._feedback,
+                path="replicas",
+                post_divide=self._post_divide,
+                label=self._label,
+            )
+        elif self._replicate_group is not None:
             all_reduce(
                 target,
                 self._replicate_group,
@@ -227,6 +283,11 @@ class DefaultGradReducer:
     def replicate_group(self) -> ProcessGroup | None:
         """The replicate group of a hybrid mesh, or ``None``."""
         return self._replicate_group
+
+    @property
+    def codec(self) -> CommCodec | None:
+        """The codec the reductions send with, or ``None``."""
+        return self._codec
 
     def __repr__(self) -> str:
         return (

@@ -5,9 +5,10 @@ Public to shard's distributions (``shard-runtime``, ``shard-checkpoint``,
 groups the front ends derive (see ``_groups.py``), the steps of
 :func:`~shard_comms.init_distributed` as plain functions (tested without a
 process group), the divide-factor arithmetic of the reductions, the
-staging of custom collectives, and the resetters of process-wide caches and
-records. These names may change with the packages that use them; a training
-script needs only what ``shard_comms`` itself exports.
+staging of custom collectives, the encoded (comm codec) collectives, and
+the resetters of process-wide caches and records. These names may change
+with the packages that use them; a training script needs only what
+``shard_comms`` itself exports.
 """
 
 from shard_comms._buffers import clear_buffer_cache
@@ -25,6 +26,12 @@ from shard_comms._custom import (
     group_allocates,
 )
 from shard_comms._device import clear_device_handle_cache
+from shard_comms._encoded import (
+    ENCODABLE_DTYPES,
+    encoded_all_gather,
+    encoded_all_reduce,
+    encoded_reduce_scatter,
+)
 from shard_comms._flight import reset_flight_recorder, set_flight_step
 from shard_comms._groups import (
     PostForwardGroup,
@@ -52,6 +59,7 @@ from shard_comms._process_group import (
 __all__ = [
     "COLLECTIVE_KINDS",
     "CollectiveKind",
+    "ENCODABLE_DTYPES",
     "InitPlan",
     "LaunchEnv",
     "PostForwardGroup",
@@ -67,6 +75,9 @@ __all__ = [
     "custom_reduce_scatter",
     "default_mesh",
     "divide_factors",
+    "encoded_all_gather",
+    "encoded_all_reduce",
+    "encoded_reduce_scatter",
     "group_allocates",
     "group_mesh",
     "hybrid_mesh",

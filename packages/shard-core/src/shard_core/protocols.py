@@ -6,7 +6,9 @@ policy decides which submodules become units, a comm hook reduces a unit's
 gradient through a reducer the communication layer hands it, and a device
 handle hides one device type's streams, events and memory statistics.
 A state-dict backend gives the wrapper front end its model state dicts,
-which live in a higher layer (shard-checkpoint).
+which live in a higher layer (shard-checkpoint). A comm codec encodes what a
+unit sends on the wire (quantized all-gathers and reductions) and decodes
+what it receives; the communication layer runs the collectives around it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "CommCodec",
     "CommHook",
     "DeviceHandle",
     "EventLike",
@@ -141,6 +144,59 @@ class CommHook(Protocol):
     def __call__(
         self, reducer: GradReducer, grad: torch.Tensor, output: torch.Tensor | None
     ) -> None: ...
+
+
+# ---------------------------------------------------------------------------
+# Comm codecs
+# ---------------------------------------------------------------------------
+
+
+@runtime_checkable
+class CommCodec(Protocol):
+    """Encodes rows of values into rows of bytes for the wire, and decodes them again.
+
+    A codec is pure tensor code: the communication layer runs the collectives
+    (an all-gather of encoded shards, an all-to-all of encoded gradient
+    chunks) and asks the codec only to encode what this rank sends and
+    decode what it receives. The contract that makes every rank agree:
+
+    - the encoded size of a row depends on its number of elements only
+      (:meth:`encoded_nbytes`), so every rank sizes the collective alike;
+    - :meth:`decode` is a pure function of the bytes: every rank that decodes
+      the same bytes gets bitwise the same values, the encoder included;
+    - :meth:`encode` with a ``residual`` (error feedback) encodes
+      ``values + residual`` and leaves in ``residual`` exactly what that sum
+      loses: ``values + residual_before - decode(encoded)``.
+
+    Codecs are looked up by name through the ``shard_comm_codecs`` hook
+    (``Registry.comm_codec("int8")``). One codec object may serve many units
+    and threads at once: the memory a codec needs between calls (the error
+    feedback residual) is owned and passed in by the caller.
+    """
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Bytes one row of ``numel`` values encodes into."""
+        ...
+
+    def encode(
+        self, values: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> None:
+        """Encode each row of the 2-D ``values`` into the same row of ``out``.
+
+        ``values`` is floating point, ``(rows, numel)``; ``out`` is
+        ``torch.uint8``, ``(rows, encoded_nbytes(numel))``. With ``residual``
+        (``torch.float32``, the shape of ``values``): add it first and store
+        back what the encoding lost (see the class docstring).
+        """
+        ...
+
+    def decode(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode each row of ``encoded`` (``torch.uint8``) into the same row of ``out``.
+
+        ``out`` is floating point, ``(rows, numel)``; values are computed in
+        float32 and cast into ``out``'s dtype.
+        """
+        ...
 
 
 # ---------------------------------------------------------------------------

@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from shard_comms import CustomAllGather, CustomReduceScatter, get_device_handle
+from shard_comms import CodecSpec, CustomAllGather, CustomReduceScatter, get_device_handle
 from shard_comms.plumbing import default_mesh, post_forward_group, separate_reduce_scatter_group
 from shard_core.errors import LayoutError
 from shard_core.protocols import EventLike, StreamLike
+from shard_runtime._comm_codec import set_comm_codecs
 from shard_runtime._compile import eager_hook, mark_managed_modules
 from shard_runtime._flat_placement import FlatShard, register_flat_state_dict_hooks
 from shard_runtime._framework_check import warn_if_unintegrated
@@ -230,7 +231,9 @@ class FSDPModule:
         this unit (forward and backward, over the post-forward group too) and
         takes precedence over ``set_allocate_memory_from_process_group_for_comm``.
         """
-        self._single_unit("set_custom_all_gather").custom_all_gather = comm
+        unit = self._single_unit("set_custom_all_gather")
+        unit.check_no_codec("weights", "a custom all-gather", "set_custom_all_gather")
+        unit.custom_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: CustomReduceScatter) -> None:
         """Run this unit's gradient reduce-scatters through ``comm`` instead of shard's own.
@@ -241,7 +244,53 @@ class FSDPModule:
         divides around it (gloo has no pre-multiplied sum), so a comm that
         passes ``op`` on to ``torch.distributed`` averages correctly.
         """
-        self._single_unit("set_custom_reduce_scatter").custom_reduce_scatter = comm
+        unit = self._single_unit("set_custom_reduce_scatter")
+        unit.check_no_codec("grads", "a custom reduce-scatter", "set_custom_reduce_scatter")
+        unit.custom_reduce_scatter = comm
+
+    def set_comm_codec(
+        self,
+        weights: CodecSpec | None = None,
+        grads: CodecSpec | None = None,
+        *,
+        error_feedback: bool = True,
+        recurse: bool = True,
+    ) -> None:
+        """Encode (quantize) what this module's units send: parameters and/or gradients.
+
+        ``weights`` encodes the all-gathers of the parameters, ``grads`` the
+        gradient reduce-scatter (and, on a 2-D mesh, the all-reduce across
+        replicas, summed in float32). Each is a codec a plugin registered, by
+        name (``"int8"`` or ``"int4"`` from shard-comm-quant), by name with
+        options (``("int8", {"block_size": 128})``), or a
+        :class:`~shard_core.protocols.CommCodec`; ``None`` sends that traffic in
+        its own dtype (the default). Only what crosses the wire changes: the
+        sharded parameters, the optimizer, state dicts and checkpoints keep
+        full precision, and ``unshard()`` gives the decoded parameters forward
+        computes with (as it gives ``param_dtype`` under mixed precision).
+        ``error_feedback`` (with ``grads``) adds what each step's encoding lost
+        to the next step's gradient, which keeps a float32 residual of what
+        the rank sends between steps (``(N - 1) / N`` of each unit's full
+        gradient over N ranks; ``shard plan --comm-quant`` counts it). For this module's unit
+        and, with ``recurse``, every sharded module below it; call it on the
+        root after ``fully_shard`` to encode the whole model. See [Note: Comm
+        codecs] in ``_unit.py``.
+
+        Raises:
+            UnknownPluginNameError: no plugin registered that name (install
+                shard-comm-quant: ``pip install ./plugins/shard-comm-quant``).
+            ValueError: a unit has a custom all-gather (with ``weights``) or a
+                custom reduce-scatter (with ``grads``); nothing is changed.
+            TypeError: ``error_feedback`` is not a bool, or a codec is neither
+                a name nor a ``CommCodec``.
+        """
+        set_comm_codecs(
+            [u for state in self._states(recurse) for u in state.units],
+            weights,
+            grads,
+            error_feedback=error_feedback,
+            api="set_comm_codec",
+        )
 
     def set_all_reduce_hook(
         self,

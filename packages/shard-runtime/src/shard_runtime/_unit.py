@@ -44,7 +44,32 @@ decides *where* the bytes live (per-parameter or flat layout).
 - ``custom_all_gather`` / ``custom_reduce_scatter`` replace the unit's
   collective by a user's object (see shard-comms' ``custom_all_gather``);
 - ``comm_allocator`` takes the collectives' buffers from the process group's
-  allocator where its backend has one (``"process_group"``, ``"symm_mem"``).
+  allocator where its backend has one (``"process_group"``, ``"symm_mem"``);
+- ``weight_codec`` / ``grad_codec`` (``set_comm_codec``) encode what the
+  all-gathers and the gradient reductions send (see [Note: Comm codecs]).
+
+[Note: Comm codecs]
+A comm codec (``shard_core.protocols.CommCodec``, from a plugin such as
+shard-comm-quant's ``"int8"``) changes what crosses the wire and nothing
+else. With ``weight_codec`` the unit's all-gather over its shard group sends
+each rank's shard encoded and every rank decodes every row, its own
+included, so all ranks compute with the same full parameters; the sharded
+parameters, the optimizer's state, state dicts, ``summon_full_params`` and
+checkpoints keep full precision (``summon_full_params`` gathers without
+the codec). The all-gather of a post-forward group
+(``reshard_after_forward=int``) resends the already decoded values in their
+own dtype, so backward sees exactly the forward's parameters. With
+``grad_codec`` the reduce-scatter (and on a 2-D mesh the replica
+all-reduce) sends encoded gradient rows, sums them in float32 and divides
+as the plain path does; with ``error_feedback`` each path keeps what its
+encodings lost (``ErrorFeedback``, one per gradient bucket, float32: the
+rows this rank sends, ``(N - 1) / N`` of the unit's full gradient over N
+shard ranks, plus a shard's worth across replicas; see ``feedback_nbytes``,
+and ``shard plan --comm-quant``, which counts them) and adds it to the next
+step's gradient. A dtype no codec takes (the bytes of a
+mixed-dtype unit, float8) communicates plainly. Both are exclusive with the
+object that would replace the same collective: a custom all-gather, a
+custom reduce-scatter or a comm hook (refused where they are set).
 
 [Note: Comm hooks on the one reduction path]
 A comm hook (the wrapper's ``register_comm_hook``) changes one step of the
@@ -90,18 +115,21 @@ from shard_comms import (
     CustomAllGather,
     CustomReduceScatter,
     DefaultGradReducer,
+    ErrorFeedback,
     all_gather,
     mesh_groups,
     reduce_gradient,
 )
 from shard_comms.plumbing import (
+    ENCODABLE_DTYPES,
     PostForwardGroup,
     comm_buffer,
     custom_all_gather,
     divide_factors,
+    encoded_all_gather,
     group_allocates,
 )
-from shard_core.protocols import CommHook, EventLike, StreamLike
+from shard_core.protocols import CommCodec, CommHook, EventLike, StreamLike
 from shard_runtime._comm import CommContext, streams_for
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._reduction import IssuedReduction, Reductions
@@ -227,6 +255,11 @@ class Unit:
     custom_reduce_scatter: CustomReduceScatter | None = None
     comm_allocator: CommAllocator = "default"
     comm_ctx: CommContext = field(default_factory=CommContext)  # used where the unit is root
+    # - comm codecs (set_comm_codec); see [Note: Comm codecs]
+    weight_codec: CommCodec | None = None
+    grad_codec: CommCodec | None = None
+    error_feedback: bool = True
+    _feedback: dict[int, ErrorFeedback] = field(default_factory=dict)  # by gradient bucket
 
     def __post_init__(self) -> None:
         self.shard_group, self.replicate_group = mesh_groups(self.mesh)
@@ -250,6 +283,70 @@ class Unit:
         """Name the unit by its module's qualified name (and its parameters under it)."""
         self.label = label
         self.layout.set_label(label)
+
+    def check_comm_codecs(
+        self, weights: CommCodec | None, grads: CommCodec | None, *, api: str
+    ) -> None:
+        """Refuse codecs that would replace a collective something else already replaces.
+
+        Raises:
+            ValueError: a custom all-gather (with ``weights``), or a custom
+                reduce-scatter or comm hook (with ``grads``), is set on the unit.
+        """
+        clashes = [
+            ("weights", weights, self.custom_all_gather, "a custom all-gather"),
+            ("grads", grads, self.custom_reduce_scatter, "a custom reduce-scatter"),
+            ("grads", grads, self.comm_hook, "a comm hook"),
+        ]
+        for side, codec, other, what in clashes:
+            if codec is not None and other is not None:
+                raise ValueError(
+                    f"{api}({self.comm_label}): {side}={codec!r} cannot be combined with "
+                    f"{what} ({other!r}) on this unit: both replace the same collective; set "
+                    "one of them"
+                )
+
+    def check_no_codec(self, side: str, what: str, api: str) -> None:
+        """Refuse ``what`` (a custom collective, a comm hook) where a codec encodes ``side``.
+
+        Raises:
+            ValueError: ``set_comm_codec`` set a codec for ``side`` on this unit.
+        """
+        codec = self.weight_codec if side == "weights" else self.grad_codec
+        if codec is not None:
+            raise ValueError(
+                f"{api}({self.comm_label}): this unit encodes its {side} with {codec!r} "
+                f"(set_comm_codec); {what} would replace the same collective: call "
+                f"set_comm_codec({side}=None) first, or keep the codec"
+            )
+
+    def set_comm_codecs(
+        self,
+        weights: CommCodec | None,
+        grads: CommCodec | None,
+        *,
+        error_feedback: bool,
+        api: str,
+    ) -> None:
+        """Encode this unit's all-gathers and/or reductions; see [Note: Comm codecs].
+
+        Lands reductions in flight (issued with the old codec) and forgets the
+        error feedback kept so far. ``api`` starts error messages.
+
+        Raises:
+            ValueError: see :meth:`check_comm_codecs`.
+        """
+        self.check_comm_codecs(weights, grads, api=api)
+        self.reductions.land()
+        self.weight_codec = weights
+        self.grad_codec = grads
+        self.error_feedback = error_feedback
+        self._feedback.clear()
+
+    @property
+    def feedback_nbytes(self) -> int:
+        """Bytes of error-feedback residuals this unit keeps between steps."""
+        return sum(feedback.nbytes for feedback in self._feedback.values())
 
     def wait_before_next_gather(self, event: EventLike) -> None:
         """Make the next all-gather wait for ``event`` (``set_post_optim_event``)."""
@@ -316,6 +413,16 @@ class Unit:
             return custom_all_gather(
                 self.custom_all_gather, send, group, async_op=True, label=self.comm_label
             )
+        # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
+        backward = torch._C._current_graph_task_id() != -1
+        phase = "backward all-gather" if backward else "forward all-gather"
+        codec = self.weight_codec
+        if codec is not None and group is self.shard_group and send.dtype in ENCODABLE_DTYPES:
+            # See [Note: Comm codecs].
+            output = self.layout.gather_output(self.shard_world, self.compute_device)
+            return output, encoded_all_gather(
+                codec, output, send, group, async_op=True, label=self.comm_label, phase=phase
+            )
         if self._group_allocates(group):
             output = comm_buffer(
                 self.shard_world * self.layout.gather_numel,
@@ -325,9 +432,6 @@ class Unit:
             )
         else:
             output = self.layout.gather_output(self.shard_world, self.compute_device)
-        # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
-        backward = torch._C._current_graph_task_id() != -1
-        phase = "backward all-gather" if backward else "forward all-gather"
         return output, all_gather(
             output, send, group, async_op=True, label=self.comm_label, phase=phase
         )
@@ -433,15 +537,30 @@ class Unit:
         pre, post = divide_factors(dp_size)
         return DividePlan(pre, 1.0 if hsdp else post, post if hsdp else 1.0, 1.0)
 
-    def grad_reducer(self, plan: DividePlan, *, replicas: bool = True) -> DefaultGradReducer:
+    def grad_reducer(
+        self,
+        plan: DividePlan,
+        *,
+        replicas: bool = True,
+        reduce_dtype: torch.dtype | None = None,
+        bucket: int = 0,
+    ) -> DefaultGradReducer:
         """This unit's reducer for a reduction divided by ``plan``.
 
         Its group (``reduce_scatter_group``, else the shard group), replicate
         group, divide factors and custom reduce-scatter are the unit's; the
         default path and a comm hook use the same one (see [Note: Comm hooks
         on the one reduction path]). ``replicas=False`` leaves the replicate
-        group out: the reducer then stops after the reduce-scatter.
+        group out: the reducer then stops after the reduce-scatter. With a
+        ``grad_codec`` that takes ``reduce_dtype``, the reducer sends encoded
+        rows, keeping ``bucket``'s error feedback (see [Note: Comm codecs]).
         """
+        codec = self.grad_codec
+        if codec is not None and reduce_dtype not in ENCODABLE_DTYPES:
+            codec = None
+        feedback = None
+        if codec is not None and self.error_feedback:
+            feedback = self._feedback.setdefault(bucket, ErrorFeedback())
         replicate = self.replicate_group if replicas else None
         # On a 1-D mesh ``after_all_reduce`` is 1; on a 2-D one ``after_scatter`` is.
         post = plan.after_scatter * (plan.after_all_reduce if replicate is not None else 1.0)
@@ -453,6 +572,8 @@ class Unit:
             post_divide=post,
             custom_reduce_scatter=self.custom_reduce_scatter,
             label=self.comm_label,
+            codec=codec,
+            feedback=feedback,
         )
 
     def reduce_grads(self) -> list[IssuedReduction]:
@@ -492,7 +613,7 @@ class Unit:
             and self.requires_all_reduce
             and bucket not in self.reductions.partials
         )
-        reducer = self.grad_reducer(plan)
+        reducer = self.grad_reducer(plan, reduce_dtype=reduce_dtype, bucket=bucket)
         hook_reducer = (
             None
             if self.comm_hook is None
@@ -545,7 +666,11 @@ class Unit:
                 self.shard_world, reduce_dtype, self.compute_device, bucket
             )
             into: torch.Tensor | None = None  # a custom reduce-scatter allocates its own
-            if self.custom_reduce_scatter is None and self._group_allocates(group):
+            if (
+                reducer.codec is None
+                and self.custom_reduce_scatter is None
+                and (self._group_allocates(group))
+            ):
                 staged = comm_buffer(full.numel(), reduce_dtype, self.compute_device, group)
                 full = staged.copy_(full)
                 into = comm_buffer(

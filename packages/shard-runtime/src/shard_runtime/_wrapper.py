@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shard_comms import DefaultGradReducer, resolve_comm_hook
+from shard_comms import CodecSpec, DefaultGradReducer, resolve_comm_hook
 from shard_comms.plumbing import (
     group_mesh,
     hybrid_mesh,
@@ -60,6 +60,7 @@ from shard_comms.plumbing import (
 from shard_core.protocols import WrapDecision, WrapPolicy
 from shard_runtime._all_gather_extension import is_tensor_subclass
 from shard_runtime._clip import clip_grad_norm
+from shard_runtime._comm_codec import set_comm_codecs
 from shard_runtime._flat_buffer_layout import FlatBufferLayout, FlatParamSpec
 from shard_runtime._framework_check import warn_if_unintegrated
 from shard_runtime._front_end import BackwardPrefetchMode, FrontEndRules
@@ -415,7 +416,40 @@ class FullyShardedDataParallel(OptimStateDictMethods, StateDictMethods, SummonMe
         for s in states_in([self]):
             if s.root is not None and s.unit.training_state is not UnitTrainingState.IDLE:
                 raise RuntimeError("register_comm_hook: call it before training starts")
+            s.unit.check_no_codec("grads", "a comm hook", "register_comm_hook")
+        for s in states_in([self]):
             s.unit.comm_hook = resolved
+
+    def set_comm_codec(
+        self,
+        weights: CodecSpec | None = None,
+        grads: CodecSpec | None = None,
+        *,
+        error_feedback: bool = True,
+        recurse: bool = True,
+    ) -> None:
+        """Encode (quantize) what this wrapper's units send: parameters and/or gradients.
+
+        shard's addition, the same as ``FSDPModule.set_comm_codec``: ``weights``
+        encodes the all-gathers of the flat parameters, ``grads`` the gradient
+        reduction (reduce-scatter, and the all-reduce across replicas of the
+        hybrid and ``NO_SHARD`` strategies, summed in float32); each a
+        registered codec name (``"int8"``, ``"int4"`` from shard-comm-quant), a
+        ``(name, options)`` pair or a :class:`~shard_core.protocols.CommCodec`,
+        ``None`` for full precision. ``summon_full_params``, state dicts and
+        checkpoints keep full precision. ``error_feedback`` carries what each
+        step's encoding lost into the next step's gradient. For this wrapper
+        and, with ``recurse``, every wrapper inside it. Not with a comm hook
+        (``ValueError``): both replace the reduction.
+        """
+        states = states_in([self]) if recurse else [_state(self)]
+        set_comm_codecs(
+            [s.unit for s in states],
+            weights,
+            grads,
+            error_feedback=error_feedback,
+            api="FullyShardedDataParallel.set_comm_codec",
+        )
 
     def _register_torch_comm_hook(self, state: object, hook: object) -> None:
         if not self.check_is_root():
@@ -442,6 +476,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, StateDictMethods, SummonMe
                     f"register_comm_hook: the wrapper around {type(wrapper.module).__name__} "
                     "already has a comm hook; register one hook per model, once, before training"
                 )
+            _state(wrapper).unit.check_no_codec("grads", "a comm hook", "register_comm_hook")
         for wrapper in self.fsdp_modules(self):
             unit = _state(wrapper).unit
             # NO_SHARD, or any strategy on one rank (PyTorch then switches to NO_SHARD).

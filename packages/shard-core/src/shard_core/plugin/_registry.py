@@ -38,7 +38,7 @@ from shard_core.plugin._manager import (
     logger,
 )
 from shard_core.plugin._owned import from_repository, owning_distribution
-from shard_core.protocols import CommHook, DeviceHandle, StateDictBackend, WrapPolicy
+from shard_core.protocols import CommCodec, CommHook, DeviceHandle, StateDictBackend, WrapPolicy
 
 __all__ = ["Registry", "check_options"]
 
@@ -93,6 +93,7 @@ class _NamedHook:
 _NAMED_HOOKS: dict[str, _NamedHook] = {
     spec.hook: spec
     for spec in (
+        _NamedHook("shard_comm_codecs", "comm codec", "comm-codec factories"),
         _NamedHook("shard_comm_hooks", "comm hook", "comm hooks"),
         _NamedHook("shard_wrap_policies", "wrap policy", "wrap-policy factories"),
     )
@@ -210,6 +211,49 @@ class Registry:
         """
         value: CommHook = self._lookup("shard_comm_hooks", name).value
         return value
+
+    # - comm codecs
+
+    def comm_codecs(self) -> dict[str, Callable[..., CommCodec]]:
+        """Every usable comm-codec factory, by name (sorted).
+
+        A name two plugins claim is left out (see [Note: names two plugins claim]).
+        """
+        return self._entries("shard_comm_codecs")
+
+    def comm_codec(self, name: str, /, **options: Any) -> CommCodec:
+        """Build the comm codec registered as ``name`` with keyword ``options``.
+
+        Raises:
+            UnknownPluginNameError: no plugin registered ``name``; the message
+                lists the names that are registered, and names the
+                distribution to install for a name of shard's own plugins.
+            PluginCollisionError: two plugins registered ``name``.
+            PluginCallError: the factory raised (chained; also an instance of
+                that exception's built-in category).
+            PluginError: the factory built something that is not a
+                :class:`~shard_core.protocols.CommCodec`.
+        """
+        claim = self._lookup("shard_comm_codecs", name)
+        check_options(f"comm codec {name!r}", claim.value, options)
+        try:
+            codec = claim.value(**options)
+        except ShardError:
+            raise
+        except Exception as exc:
+            raise plugin_call_error(
+                exc,
+                f"comm codec {name!r} of {self._describe(claim.plugin_name)}",
+                f" when built with the options {options!r}",
+            ) from exc
+        if not isinstance(codec, CommCodec):
+            raise PluginError(
+                f"comm codec {name!r} of {self._describe(claim.plugin_name)} built "
+                f"{codec!r} ({type(codec).__name__}), which is not a CommCodec "
+                f"(it needs encoded_nbytes(), encode() and decode()); report this to the "
+                f"plugin's authors"
+            )
+        return codec
 
     # - device handles
 

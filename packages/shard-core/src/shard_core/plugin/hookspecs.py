@@ -18,12 +18,13 @@ from collections.abc import Callable, Mapping
 
 import pluggy
 
-from shard_core.protocols import CommHook, DeviceHandle, StateDictBackend, WrapPolicy
+from shard_core.protocols import CommCodec, CommHook, DeviceHandle, StateDictBackend, WrapPolicy
 
 __all__ = [
     "PROJECT_NAME",
     "hookimpl",
     "hookspec",
+    "shard_comm_codecs",
     "shard_comm_hooks",
     "shard_device_handle",
     "shard_state_dict_backend",
@@ -63,6 +64,20 @@ def shard_comm_hooks() -> Mapping[str, CommHook]:
     Code selects one by name with ``Registry.comm_hook("bf16_compress")``
     (``shard_comms.resolve_comm_hook`` for users). Names are unique across
     all plugins, as for :func:`shard_wrap_policies`.
+    """
+    raise NotImplementedError
+
+
+@hookspec
+def shard_comm_codecs() -> Mapping[str, Callable[..., CommCodec]]:
+    """Return comm-codec factories by name (``"int8"``, say).
+
+    Each factory takes keyword options (``block_size=...``) and builds a
+    :class:`~shard_core.protocols.CommCodec`, which encodes what a unit sends
+    on the wire: ``FSDPModule.set_comm_codec(weights="int8", grads="int8")``
+    quantizes its parameter all-gathers and gradient reductions. Code builds
+    one with ``Registry.comm_codec("int8", block_size=256)``. Names are
+    unique across all plugins.
     """
     raise NotImplementedError
 
