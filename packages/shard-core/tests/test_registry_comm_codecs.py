@@ -97,22 +97,26 @@ def test_factory_building_a_non_codec_is_a_plugin_error() -> None:
 
 
 def test_two_plugins_claiming_a_codec_name_collide() -> None:
-    """The same codec name from two plugins is an error naming both."""
+    """The same codec name from two plugins disables that name, saying so once, and the
+    lookup names both (the registry's rule for every named hook)."""
     reg = registry(a=Codecs({"int8": CopyCodec}), b=Codecs({"int8": CopyCodec}))
+    with pytest.warns(PluginWarning, match="^comm codec 'int8' is registered by both plugin"):
+        assert reg.comm_codecs() == {}
     with pytest.raises(PluginCollisionError) as info:
         reg.comm_codec("int8")
     assert str(info.value) == (
-        "comm codec 'int8' is registered by both plugin 'a' and plugin 'b'; names must be "
-        "unique across plugins, built-in names included: register the name in one plugin only"
+        "comm codec 'int8' is registered by both plugin 'a' and plugin 'b', so it is disabled: "
+        "names must be unique across plugins. Register the name in one plugin only."
     )
 
 
 def test_malformed_codecs_are_skipped_with_a_warning() -> None:
-    """A mapping whose value is not callable skips that plugin and keeps the others."""
+    """An entry whose value is not callable is skipped; the other plugins' entries are kept."""
     reg = registry(odd=Codecs({"int8": "nope"}), good=Codecs({"copy": CopyCodec}))
     message = (
-        "plugin 'odd' returned a malformed value from shard_comm_codecs(): 'int8' maps to "
-        "'nope' (str), which is not callable; it was skipped. Report this to the plugin's authors."
+        "plugin 'odd' returned malformed entries from shard_comm_codecs(): 'int8' maps to "
+        "'nope' (str), which is not callable; this entry was skipped. Report this to the "
+        "plugin's authors."
     )
     with pytest.warns(PluginWarning, match=f"^{re.escape(message)}$"):
         assert list(reg.comm_codecs()) == ["copy"]

@@ -230,7 +230,8 @@ def test_partly_bad_plugin_keeps_its_valid_hooks_and_lists_every_problem(
     install(monkeypatch, FakeEntryPoint("partly", FakeDist("shard-partly", "2.0"), PartlyBad()))
     message = (
         "shard-partly 2.0 (plugin 'partly') implements hooks shard does not define: "
-        "shard_comm_hookz, shard_wrap_policy (known: shard_comm_hooks, shard_device_handle, "
+        "shard_comm_hookz, shard_wrap_policy (known: shard_comm_codecs, shard_comm_hooks, "
+        "shard_device_handle, "
         "shard_state_dict_backend, shard_wrap_policies); it also implements "
         "shard_device_handle(device_type, rank), but shard calls shard_device_handle(device_type) "
         "and cannot pass rank; those hooks were skipped, its other hooks are used "
