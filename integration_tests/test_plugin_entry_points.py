@@ -22,6 +22,7 @@ import shard_device_accel.plugin
 import shard_device_cuda.plugin
 from shard_core import CpuDeviceHandle, get_plugin_manager, get_registry, reset_plugin_manager
 from shard_core.plugin import PROJECT_NAME, SHARD_OWNED_NAMES, Registry, hookspecs
+from shard_core.plugin._registry import _NAMED_HOOKS
 
 from ._workspace import DISTRIBUTIONS, ROOT
 
@@ -136,13 +137,13 @@ def _plugin_modules() -> dict[str, list[object]]:
 def test_owned_names_table_matches_the_plugins_directory() -> None:
     """SHARD_OWNED_NAMES lists exactly the names each plugin under plugins/ registers.
 
-    Named hooks are called; device types are those the CUDA plugin serves
+    Every named hook of the registry is called; device types are those the CUDA plugin serves
     ("cuda", even without a GPU) and shard-device-accel's ACCELERATOR_TYPES.
     """
     actual: dict[str, dict[str, str]] = {}
     for distribution, modules in _plugin_modules().items():
         for module in modules:
-            for hook in ("shard_comm_hooks", "shard_wrap_policies"):
+            for hook in _NAMED_HOOKS:
                 implementation = getattr(module, hook, None)
                 if implementation is not None:
                     for name in implementation():

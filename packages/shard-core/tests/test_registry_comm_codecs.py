@@ -68,11 +68,13 @@ def test_comm_codec_builds_a_fresh_codec_with_options() -> None:
 
 
 def test_unknown_comm_codec_lists_registered_names() -> None:
-    """An unknown name lists the registered codecs and suggests the closest one."""
+    """An unknown name lists the registered codecs and suggests the closest one; a name of
+    shard's own plugins names the distribution to install."""
     with pytest.raises(
         UnknownPluginNameError,
-        match=r"^no comm codec is registered as 'int8'; registered: none. "
-        r"Install the plugin that provides 'int8'$",
+        match=r"^no comm codec is registered as 'int8'; registered: none. 'int8' is provided by "
+        r"shard-comm-quant: install it from the shard repository \(pip install "
+        r"\./plugins/shard-comm-quant in a checkout",
     ):
         registry().comm_codec("int8")
     reg = registry(quant=Codecs({"int8": CopyCodec, "int4": CopyCodec}))

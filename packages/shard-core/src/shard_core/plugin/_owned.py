@@ -17,6 +17,9 @@ __all__ = ["SHARD_OWNED_NAMES", "from_repository", "owning_distribution"]
 
 SHARD_OWNED_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType(
     {
+        "shard_comm_codecs": MappingProxyType(
+            {"int4": "shard-comm-quant", "int8": "shard-comm-quant"}
+        ),
         "shard_comm_hooks": MappingProxyType(
             {"bf16_compress": "shard-comm-lowp", "fp16_compress": "shard-comm-lowp"}
         ),
