@@ -86,6 +86,7 @@ def test_llama_fully_shard_trains_checkpoints_and_exports_for_transformers(
     assert losses[-1] < losses[0]
     checkpoint = out / "checkpoint"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
+        ".checksums",
         ".metadata",
         "__0_0.distcp",
         "__1_0.distcp",
