@@ -40,6 +40,7 @@ from shard_comms._groups import (
 )
 from shard_comms._process_group import (
     SHARD_DEVICE_ENV,
+    SHARD_STORE_ENV,
     InitPlan,
     LaunchEnv,
     choose_backend,
@@ -57,6 +58,7 @@ __all__ = [
     "ReduceAlgorithm",
     "ReduceOpName",
     "SHARD_DEVICE_ENV",
+    "SHARD_STORE_ENV",
     "choose_backend",
     "clear_buffer_cache",
     "clear_device_handle_cache",
