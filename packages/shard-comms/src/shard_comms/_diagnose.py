@@ -327,10 +327,11 @@ def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveErro
         lines.append(_fix(rank, payload, found))
         failure = CollectiveError("\n  ".join(lines))
         _last_failure = str(failure)
-        if _terminate.terminated():
-            stopped = f"shard: rank {rank} of {world} was stopped by SIGTERM:"
-            _terminate.write_console(f"{stopped}\n{failure}")
-            _terminate.end_as_asked()
+    # A SIGTERM from here on runs the handler, which writes _last_failure and ends the rank.
+    if _terminate.terminated():
+        stopped = f"shard: rank {rank} of {world} was stopped by SIGTERM:"
+        _terminate.write_console(f"{stopped}\n{failure}")
+        _terminate.end_as_asked()
     return failure
 
 

@@ -205,13 +205,19 @@ def exchanging() -> Iterator[None]:
 
 
 def end_as_asked() -> None:
-    """End this process by SIGTERM's default action (main thread; see the module's note)."""
+    """End this process by SIGTERM's default action; see the module's note.
+
+    Only the main thread may restore the default action; another thread
+    (a collective that failed on an autograd thread) ends the process with
+    exit status 143 instead, as the watcher does.
+    """
     with contextlib.suppress(Exception):
         sys.stdout.flush()
         sys.stderr.flush()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(5.0)  # the signal is delivered before this returns; never reached
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5.0)  # the signal is delivered before this returns; never reached
     os._exit(_EXIT_STATUS)
 
 
