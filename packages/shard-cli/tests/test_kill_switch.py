@@ -39,7 +39,8 @@ def test_a_malformed_entry_says_how_to_write_it(entry: str) -> None:
         _point(f"5,{entry}", rank=0, attempt=0)
     assert str(error.value) == (
         f"SHARD_TRAIN_TEST_KILL_AT_STEP='5,{entry}': {entry!r} is not STEP or "
-        "RANK:STEP:PHASE with a rank below 2 and PHASE one of start, forward, backward, optimizer"
+        "RANK:STEP:PHASE with a rank below 2 and PHASE one of start, forward, backward, optimizer, "
+        "save"
     )
 
 

@@ -13,9 +13,10 @@ along, dies in step 3's forward, then in the first restart in step 5's
 backward, then in step 7's optimizer step: each time rank 1 names it and the
 collective it was last seen in (phase and step, the step as the progress
 line shows it), and the run ends with the uninterrupted run's losses bit for
-bit. Without ``--max-restarts`` rank 1 dies in step 5's backward: ``shard
-train`` exits 1 naming it, rank 0's diagnosis reaches the console, and the
-checkpoint reads back whole. (That a restart never takes a checkpoint an
+bit. Without ``--max-restarts`` rank 1 dies as the checkpoint of step 6 is
+due, so rank 0 fails in the save's own collectives (not shard's): ``shard
+train`` exits 1 naming it, rank 0's diagnosis still reaches the console, and
+the checkpoint of step 3 reads back whole. (That a restart never takes a checkpoint an
 earlier launch left in the run directory is tested in ``test_restart.py``.)
 """
 
@@ -149,14 +150,14 @@ def test_rank_0_killed_in_forward_backward_and_optimizer_restarts_with_the_same_
 def test_without_restarts_the_kill_ends_the_run_names_the_rank_and_leaves_the_checkpoint(
     tmp_path: Path, data: Path
 ) -> None:
-    """No --max-restarts: exit 1 naming rank 1, whose survivor says where it was last seen;
-    the step-3 checkpoint reads back whole.
+    """No --max-restarts, rank 1 killed before the step-6 save: exit 1 naming it, its
+    survivor says where it was last seen; the step-3 checkpoint reads back whole.
 
     (``--resume`` from such a checkpoint continuing exactly is tested in
     ``test_train_end_to_end.py``; here every tensor is read back, in one process.)
     """
     args = ["--steps", str(STEPS), "--ckpt-every", "3", "--run-dir", "run"]
-    killed = shard(*args, cwd=tmp_path, data=data, kill="1:5:backward")
+    killed = shard(*args, cwd=tmp_path, data=data, kill="1:6:save")
     assert killed.returncode == 1, output(killed)
     assert (
         "shard train: stopped: rank 1 was killed by SIGKILL (then rank 0 was killed by "
@@ -165,10 +166,8 @@ def test_without_restarts_the_kill_ends_the_run_names_the_rank_and_leaves_the_ch
     assert "last checkpoint: run/checkpoint (step 3, complete and loadable)" in killed.stderr
     assert "Traceback" not in killed.stderr
     (report,) = reports(killed.stderr, survivor=0)
-    assert_names_the_dead_rank(
-        report, 1, "all-gather of `blocks.1` (forward all-gather, step 5, seq 34)"
-    )
-    assert [step for step, _ in losses(tmp_path / "run")] == [1, 2, 3, 4]
+    assert_names_the_dead_rank(report, 1, "all-reduce of `loss` (end of step, step 6, seq 5)")
+    assert [step for step, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]
     full = consolidate(tmp_path / "run" / "checkpoint", tmp_path / "full.pt", fmt="torch")
     state = torch.load(full, weights_only=False)
     assert state["train.step"] == 3

@@ -10,7 +10,8 @@ step ``STEP``) or ``RANK:STEP:PHASE``, ``PHASE`` one of:
 - ``forward``: in forward, once the first block has run (shard's GPT; the
   whole model's forward otherwise);
 - ``backward``: at the start of backward (the gradient of the logits);
-- ``optimizer``: after backward, before AdamW's step.
+- ``optimizer``: after backward, before AdamW's step;
+- ``save``: after the step, before the checkpoint due then (none due: no kill).
 
 E.g. ``0:5:forward,1:7:optimizer``: rank 0 dies in step 5's forward, and in
 the restart rank 1 in step 7's optimizer step.
@@ -20,9 +21,10 @@ Each point is one where the dying rank has no collective in flight: the
 forward one after the first block's all-gather was waited for and before the
 next block's starts (shard's forward does not prefetch by default); the
 backward one before any backward collective; the optimizer one after the end
-of backward has waited for every reduce-scatter. So the others fail in the
-same collective on every run (the next block's forward all-gather, the last
-block's backward all-gather, the loss's all-reduce at the end of the step),
+of backward has waited for every reduce-scatter; the save one after the
+loss's all-reduce. So the others fail in the same collective on every run
+(the next block's forward all-gather, the last block's backward all-gather,
+the loss's all-reduce at the end of the step, the save's first collective),
 and a test can assert their messages exactly. Standard output and error are
 flushed first: SIGKILL drops whatever a buffer holds.
 """
@@ -41,7 +43,7 @@ from torch import nn
 __all__ = ["KILL_ENV", "PHASES", "KillPoint", "KillSwitch", "kill_point"]
 
 KILL_ENV = "SHARD_TRAIN_TEST_KILL_AT_STEP"
-PHASES = ("start", "forward", "backward", "optimizer")
+PHASES = ("start", "forward", "backward", "optimizer", "save")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,10 @@ Every step first tells the flight recorder its number
 (the step 5 of the progress line, after a resume too) is reported as step
 5, and the loss's all-reduce at the end of the step goes through shard's
 ``all_reduce`` (labelled ``loss``) so that a rank lost in the optimizer step
-is named like one lost in forward or backward. Under ``shard train`` the
+is named like one lost in forward or backward. A rank lost during a
+checkpoint save fails the save's own collectives, which shard does not
+record; ``run_worker`` still exchanges the flight records then
+(``collective_failure`` with no entry), so the dead rank is named too. Under ``shard train`` the
 c10d store lives in the launcher (``_launch.py``), so the survivors of any
 rank, rank 0 included, exchange their records; a survivor the launcher
 stops first still writes what it knows (shard-comms' ``_terminate.py``).
@@ -125,7 +128,7 @@ from shard_comms import (
     init_distributed,
     set_training_step,
 )
-from shard_comms.plumbing import SHARD_STORE_ENV
+from shard_comms.plumbing import SHARD_STORE_ENV, collective_failure
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 
@@ -716,6 +719,7 @@ class _Run:
         """Save after every ``--ckpt-every``-th step and after the last (collective)."""
         options = self.options
         if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
+            self.kill.at("save")  # test hook, see [Note: restarts]
             save_training(
                 options.checkpoint_path,
                 model=self.model,
@@ -930,7 +934,10 @@ def run_worker(options: TrainOptions) -> int:
         if run is not None and run.rank == 0:
             print(f"\nshard train: interrupted during step {_step_of(run)}", flush=True)
         return 130
-    except (RuntimeError, FloatingPointError, ValueError, ShardError) as exc:
+    except (RuntimeError, FloatingPointError, ValueError, ShardError) as error:
+        exc: BaseException = error
+        if run is not None and _lost_a_peer(error):
+            exc = collective_failure(None, error)  # See [Note: failure messages name ...]
         rank = run.rank if run is not None else int(os.environ.get("RANK", "0"))
         where = f" during step {_step_of(run)}" if run is not None else ""
         print(
@@ -942,6 +949,21 @@ def run_worker(options: TrainOptions) -> int:
     finally:
         if run is not None and run.metrics_writer is not None:
             run.metrics_writer.close()  # the steps logged before a failure stay readable
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's communication error outside shard's collectives.
+
+    A checkpoint save's collectives are ``torch.distributed``'s own, so a
+    rank lost during a save fails them with the backend's bare error (gloo
+    and NCCL raise ``RuntimeError``s naming themselves).
+    """
+    if isinstance(error, CollectiveError) or not dist.is_initialized():
+        return False
+    if dist.get_world_size() < 2:
+        return False
+    bare = type(error) is RuntimeError or isinstance(error, dist.DistError)
+    return bare and any(name in str(error) for name in ("gloo", "NCCL", "Connection"))
 
 
 def _first_sentence(exc: BaseException) -> str:

@@ -82,6 +82,7 @@ _DUMP_ENV = "SHARD_FLIGHT_RECORDER_DUMP"
 _DEFAULT_WAIT_S = 5.0
 _POLL_S = 0.05
 _reported = False
+_UNRECORDED = "a collective outside the flight record (a checkpoint save's, say)"
 # The message of this process's first collective failure, for a SIGTERM that comes after it.
 _last_failure: str | None = None
 
@@ -269,6 +270,11 @@ def _dump(rank: int, payload: Mapping[str, Any]) -> str | None:
 def collective_failure(entry: FlightEntry | None, error: BaseException) -> CollectiveError:
     """The named failure for ``entry``, which the backend failed with ``error``.
 
+    ``entry`` ``None``: a collective the recorder does not see (``torch.distributed``
+    called directly, as a checkpoint save does) failed with ``error``; the
+    message then names what every rank last did in shard's collectives, and
+    which ranks are gone.
+
     Marks the entry failed, exchanges records with the peers (see [Note:
     Exchanging records through the store]) and returns the exception to
     raise; the caller raises it ``from error``. Whatever goes wrong while
@@ -314,9 +320,9 @@ def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveErro
     with _terminate.exchanging():
         found = _publish_and_gather(store, rank, peers, payload, wait)
         dumped = _dump(rank, payload)
-        lines = [
-            f"collective failed on rank {rank} of {world}: {describe_entry(failed)} raised {reason}"
-        ]
+        # No entry: a collective shard does not record (a checkpoint's) failed.
+        what = describe_entry(failed) if failed is not None else _UNRECORDED
+        lines = [f"collective failed on rank {rank} of {world}: {what} raised {reason}"]
         if not recorder.enabled:
             lines.append(
                 "the flight recorder is off (SHARD_FLIGHT_RECORDER=0): no record to compare"

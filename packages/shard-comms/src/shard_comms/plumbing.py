@@ -25,6 +25,7 @@ from shard_comms._custom import (
     group_allocates,
 )
 from shard_comms._device import clear_device_handle_cache
+from shard_comms._diagnose import collective_failure
 from shard_comms._flight import reset_flight_recorder, set_flight_step
 from shard_comms._groups import (
     PostForwardGroup,
@@ -63,6 +64,7 @@ __all__ = [
     "clear_buffer_cache",
     "clear_device_handle_cache",
     "clear_group_cache",
+    "collective_failure",
     "comm_buffer",
     "custom_all_gather",
     "custom_reduce_scatter",
