@@ -75,8 +75,11 @@ def test_fault_soak_counts_restarts_steps_lost_and_compares_the_curves() -> None
             "  did not answer: rank 0 (dead, or stuck outside a collective; ...)",
             "shard train: restart 1 after a rank failed: resuming from the checkpoint at step 25 "
             "(run/checkpoint)",
+            # The second kill (rank 1) is not named before its restart: only rank 0 is.
+            "  did not answer: rank 0 (dead, or stuck outside a collective; ...)",
             "shard train: restart 2 after a rank failed: resuming from the checkpoint at step 50 "
             "(run/checkpoint)",
+            "  did not answer: rank 1 (dead, or stuck outside a collective; ...)",
         ]
     )
     curve = [(step, 4.0 - step / 100) for step in range(1, 61)]

@@ -185,11 +185,19 @@ def analyse(
     for match in _STARTED_OVER.finditer(stderr):
         restarts[int(match.group(1))] = None
     report.resumed_from = [restarts[n] for n in sorted(restarts)]
-    named = [
-        {int(r) for r in match.group(1).replace(" ", "").split(",") if r}
-        for match in _NAMED.finditer(stderr)
-    ]
-    report.named = sum(1 for kill in report.kills if any(kill.rank in ranks for ranks in named))
+    # The survivors' reports of kill i come before restart i+1's note.
+    notes = sorted([*_RESUMED.finditer(stderr), *_STARTED_OVER.finditer(stderr)], key=_start)
+    bounds = [0, *(note.start() for note in notes), len(stderr)]
+    report.named = 0
+    for index, kill in enumerate(report.kills):
+        segment = stderr[bounds[index] : bounds[index + 1]] if index + 1 < len(bounds) else ""
+        named = {
+            int(r)
+            for match in _NAMED.finditer(segment)
+            for r in match.group(1).replace(" ", "").split(",")
+            if r
+        }
+        report.named += kill.rank in named
     report.steps_lost = [
         max(0, kill.last_step - (resumed or 0))
         for kill, resumed in zip(report.kills, report.resumed_from, strict=False)
@@ -211,6 +219,10 @@ def analyse(
         report.first_difference = min(len(faulted), len(reference)) + 1
     report.equal = report.first_difference is None and bool(faulted)
     return report
+
+
+def _start(match: re.Match[str]) -> int:
+    return match.start()
 
 
 def summary_lines(report: FaultReport) -> list[str]:
