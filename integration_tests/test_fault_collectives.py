@@ -8,7 +8,8 @@ block's forward, skips a block's backward, sleeps past the timeout, or is
 killed with SIGKILL in forward, backward or the optimizer step. Every rank
 must then exit with ``CollectiveError`` (the backend's error as its cause)
 whose message names the ranks, units, phases, steps and sequence numbers,
-within the timeout plus a few seconds. All scenarios run at once, so the
+within the timeout plus a few seconds; for a killed rank, the collective it
+was last seen in. All scenarios run at once, so the
 module costs one start-up and one timeout.
 """
 
@@ -239,15 +240,45 @@ def test_a_sleeping_rank_is_named_as_not_answering(
     assert "rank 0: last issued" in second["message"], second["message"]
 
 
+# Where rank 0 names rank 1 last seen: the last collective the two completed together. In
+# backward, the kill can come while rank 1's reduce-scatter of layers.3 is on its way (gloo
+# sends it from its own thread), so only the phase is certain there.
+LAST_SEEN = {
+    "forward": "all-gather of `layers.1` (forward all-gather, step 2, seq 25), the last "
+    "collective it completed with this rank; it did not complete the all-gather of "
+    "`layers.2` (forward all-gather, step 2, seq 26)",
+    "backward": None,
+    "optimizer": "reduce-scatter of `layers.0` (reduce-scatter, step 2, seq 35), the last "
+    "collective it completed with this rank; it did not complete the all-gather of "
+    "`layers.0` (forward all-gather, step 3, seq 36)",
+}
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_a_killed_rank_ends_the_other_with_its_name(
     outcomes: dict[str, list[dict[str, Any]]], phase: str
 ) -> None:
-    """Rank 1 SIGKILLed mid-forward/backward/optimizer step: rank 0 names it, within the bound."""
+    """Rank 1 SIGKILLed mid-forward/backward/optimizer step: rank 0 names it, within the bound,
+    and the collective it was last seen in."""
     survivor, dead = outcomes[f"kill_{phase}"]
     message = _failed(survivor)
-    assert "did not answer: rank 1" in message, message
-    assert "step 2" in message
+    lines = message.splitlines()
+    assert (
+        "  did not answer: rank 1 (dead, or stuck outside a collective; no record in the c10d "
+        f"store after up to {WAIT_S:g} s (SHARD_FLIGHT_WAIT))"
+    ) in lines, message
+    last_seen = LAST_SEEN[phase]
+    if last_seen is not None:
+        assert f"  rank 1 was last seen in the {last_seen}" in lines, message
+    else:
+        seen = next(line for line in lines if line.startswith("  rank 1 was last seen in the "))
+        assert "step 2, seq " in seen, seen
+        assert "backward all-gather" in seen or "reduce-scatter" in seen, seen
+    assert lines[-1] == (
+        "  fix: find out what ended rank 1 (its own output; the launcher's exit code for it: "
+        "SIGKILL is often the out-of-memory killer); set SHARD_FLIGHT_RECORDER_DUMP=DIR and "
+        "run `shard debug flight DIR` for the full record"
+    )
     assert dead.get("exit") == -signal.SIGKILL, dead
 
 

@@ -14,6 +14,11 @@ Run from the repository root::
 
     .venv/bin/python tools/bench/soak.py --world-size 2 --steps 800 --warmup 300
 
+``--faults`` runs the other soak, of restarts: ``shard train
+--max-restarts`` for ``--minutes`` while a random rank is killed at random
+times, its loss curve compared with an uninterrupted run's
+(``soak_faults.py``, which says how).
+
 [Note: what the soak measures]
 Both figures are taken at the same point of every step: after the
 optimizer step, ``zero_grad(set_to_none=True)``, the loss's all-reduce and
@@ -451,7 +456,14 @@ def _parse(argv: list[str] | None) -> tuple[SoakConfig, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Soak every front end; print the table and verdicts; 0 if all are flat, else 1."""
+    """Soak every front end; print the table and verdicts; 0 if all are flat, else 1.
+
+    With ``--faults``, the soak under faults instead (``soak_faults.py``).
+    """
+    if "--faults" in (sys.argv[1:] if argv is None else argv):
+        from soak_faults import main as fault_soak
+
+        return fault_soak(argv)
     cfg, json_out = _parse(argv)
     results: dict[str, list[RankTrace]] = {}
     wall: dict[str, float] = {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shard_cli import CharCorpus, load_corpus
-from shard_cli._corpus import TokenFile, load_data
+from shard_cli._corpus import TokenFile, fingerprint, load_data
 
 
 def test_from_text_keeps_ascii_and_sorts_the_vocabulary() -> None:
@@ -88,3 +88,33 @@ def test_text_data_keeps_every_character(tmp_path: Path) -> None:
     corpus = load_data(str(tmp_path / "t.txt"))
     assert isinstance(corpus, CharCorpus)
     assert corpus.vocab == " abcf\u00e9"
+
+
+def test_an_edit_anywhere_moves_every_batch_and_the_fingerprint() -> None:
+    """Three characters inserted mid-text, the vocabulary the same: other windows at step 4
+    (what a restart after an edit of the sources trained on), and another fingerprint."""
+    text = "".join(chr(97 + i * 7 % 26) for i in range(5000))
+    before = CharCorpus.from_text(text)
+    after = CharCorpus.from_text(text[:2500] + "abc" + text[2500:])
+    assert before.vocab == after.vocab
+    x, _ = before.batch(step=4, rank=0, batch=4, seq=8, seed=0)
+    y, _ = after.batch(step=4, rank=0, batch=4, seq=8, seed=0)
+    assert not torch.equal(x, y)
+    assert fingerprint(before) == fingerprint(CharCorpus.from_text(text))
+    assert fingerprint(before) != fingerprint(after)
+    assert len(fingerprint(before)) == 16
+
+
+def test_a_token_files_fingerprint_sees_an_edit_and_a_truncation(tmp_path: Path) -> None:
+    """The sampled hash of a .bin changes with a token in a sampled window, or the length."""
+    ids = (np.arange(100_000) % 50).astype(np.uint16)
+    path = tmp_path / "tokens.bin"
+    ids.tofile(path)
+    first = fingerprint(TokenFile.open(path))
+    assert fingerprint(TokenFile.open(path)) == first
+    ids[0] = 7
+    ids.tofile(path)
+    edited = fingerprint(TokenFile.open(path))
+    assert edited != first
+    ids[:-1].tofile(path)
+    assert fingerprint(TokenFile.open(path)) not in (first, edited)

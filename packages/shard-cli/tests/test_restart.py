@@ -8,16 +8,20 @@ process, with checkpoints written by hand.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from torch._C._distributed_c10d import TCPStore
 
 from shard_checkpoint import save
 from shard_cli import TrainOptions
-from shard_cli._launch import FRESH_STORE_ENV, launch
-from shard_cli._train import _check_restart_store, restart_options
+from shard_cli._launch import launch
+from shard_cli._train import _check_restart_store, _Run, restart_options
 from shard_cli._train_checkpoint import LAUNCH_ENV, launch_id, read_info
+from shard_comms.plumbing import SHARD_STORE_ENV
 
 
 def _options(tmp_path: Path, **changes: Any) -> TrainOptions:
@@ -89,6 +93,18 @@ def test_a_resumed_launch_restarts_from_the_checkpoint_it_resumed(
     assert (again, finished) == (options, False)
 
 
+@pytest.mark.parametrize("resume", [True, "latest-intact"])
+def test_a_restart_keeps_the_users_resume_mode(
+    tmp_path: Path, this_launch: str, resume: bool | str
+) -> None:
+    """--resume latest-intact --max-restarts: the restart falls back past a corrupt
+    checkpoint too; a plain --resume (or none) restarts refusing one."""
+    options = _options(tmp_path, resume=resume)
+    _checkpoint(options, 3, this_launch)
+    again, _, _ = restart_options(options, 1)
+    assert again.resume == resume
+
+
 def test_a_restart_after_the_last_step_has_nothing_to_redo(
     tmp_path: Path, this_launch: str
 ) -> None:
@@ -97,6 +113,35 @@ def test_a_restart_after_the_last_step_has_nothing_to_redo(
     _, note, finished = restart_options(options, 1)
     assert finished
     assert "is at the last step (8); training is complete, nothing to redo" in note
+
+
+@pytest.mark.parametrize("data", [None, "corpus.txt"])
+def test_a_restart_on_changed_data_is_refused_naming_it(tmp_path: Path, data: str | None) -> None:
+    """The run's data with other contents since it started: an error, not other batches.
+
+    (A restart after such an edit once trained on other batches from its
+    first step on; see [Note: batches from the step alone] in _corpus.py.)
+    """
+    run = SimpleNamespace(
+        options=_options(tmp_path, data=data), run_dir=tmp_path / "run", data_fingerprint="b" * 16
+    )
+    check = _Run._check_same_data
+    check(run, {"path": data, "fingerprint": "b" * 16})  # type: ignore[arg-type]
+    check(run, {"path": "other.txt", "fingerprint": "a" * 16})  # type: ignore[arg-type]
+    check(run, None)  # type: ignore[arg-type]  # a run directory from before fingerprints
+    with pytest.raises(RuntimeError) as error:
+        check(run, {"path": data, "fingerprint": "a" * 16})  # type: ignore[arg-type]
+    what = (
+        f"--data {data}"
+        if data
+        else "shard's sources (the installed shard packages were edited or upgraded)"
+    )
+    assert str(error.value) == (
+        f"--resume: the training data changed since {tmp_path / 'run'} was started: {what} "
+        f"holds other text now (fingerprint {'b' * 16}, the run started with {'a' * 16}), so "
+        "the steps to come would draw other batches than an uninterrupted run; put the data "
+        "back as it was, or start a new run with another --run-dir"
+    )
 
 
 def test_a_restart_through_the_agents_shared_store_is_refused_with_the_fix(
@@ -109,33 +154,51 @@ def test_a_restart_through_the_agents_shared_store_is_refused_with_the_fix(
     _check_restart_store()
 
 
+def test_a_restart_through_the_launchers_store_is_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """shard train's ranks rendezvous through the launcher's store, one prefix per attempt."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv(SHARD_STORE_ENV, "127.0.0.1:29400")
+    _check_restart_store()
+
+
 @pytest.fixture
 def fake_torchrun(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], dict[str, str]]]:
     """Replace the elastic launcher; record its arguments and environment."""
     import torch.distributed.run
 
     calls: list[tuple[list[str], dict[str, str]]] = []
-    for name in (FRESH_STORE_ENV, LAUNCH_ENV, "OMP_NUM_THREADS", "KINETO_LOG_LEVEL"):
+    agent_store = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    for name in (SHARD_STORE_ENV, LAUNCH_ENV, agent_store, "OMP_NUM_THREADS", "KINETO_LOG_LEVEL"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(
-        torch.distributed.run, "main", lambda args: calls.append((args, dict(os.environ)))
-    )
+
+    def main(args: list[str]) -> None:
+        env = dict(os.environ)
+        # What a rank does with the store: write a key, read it back.
+        host, port = env[SHARD_STORE_ENV].split(":")
+        store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+        store.set("probe", "from a rank")
+        env["probe"] = store.get("probe").decode()
+        calls.append((args, env))
+
+    monkeypatch.setattr(torch.distributed.run, "main", main)
     return calls
 
 
 @pytest.mark.parametrize("restarts", [0, 2])
-def test_the_launcher_passes_max_restarts_and_one_launch_id(
+def test_the_launcher_passes_max_restarts_one_launch_id_and_its_store(
     fake_torchrun: list[tuple[list[str], dict[str, str]]], tmp_path: Path, restarts: int
 ) -> None:
-    """--max-restarts reaches the agent, with a fresh store per attempt when restarting."""
+    """--max-restarts reaches the agent; the ranks get one launch id and the launcher's store."""
     assert launch(_options(tmp_path, max_restarts=restarts), ["--steps", "8"]) == 0
     [(args, env)] = fake_torchrun
     assert f"--max-restarts={restarts}" in args
     assert args[-3:] == ["train", "--steps", "8"]
     assert len(env[LAUNCH_ENV]) == 32
-    assert (env.get(FRESH_STORE_ENV) == "1") == (restarts > 0)
+    assert env[SHARD_STORE_ENV].startswith("127.0.0.1:")
+    assert env["probe"] == "from a rank"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     assert LAUNCH_ENV not in os.environ
-    assert FRESH_STORE_ENV not in os.environ
+    assert SHARD_STORE_ENV not in os.environ
 
 
 def test_restarts_used_up_are_named_in_the_stop_message(

@@ -54,6 +54,75 @@ def test_an_entry_carries_op_phase_step_sizes_and_state() -> None:
     assert summary["completed"] is None
 
 
+def test_the_loops_step_is_named_over_the_runtimes_count() -> None:
+    """set_training_step wins over the runtime's count until it is given None."""
+    recorder = sc.FlightRecorder(8)
+    recorder.set_runtime_step(4)  # the runtime's root: 4 backwards completed
+    recorder.set_training_step(5)  # shard train's step 5
+    _fill(recorder, ["layers.0"])
+    recorder.set_runtime_step(5)  # the end of the backward: the loop's step stays
+    _fill(recorder, ["layers.1"])
+    recorder.set_training_step(None)
+    _fill(recorder, ["layers.2"])
+    assert [(e.label, e.step) for e in recorder.entries()] == [
+        ("layers.0", 5),
+        ("layers.1", 5),
+        ("layers.2", 5),
+    ]
+    recorder.set_runtime_step(6)
+    _fill(recorder, ["layers.3"])
+    assert recorder.entries()[-1].step == 6
+
+
+def test_set_training_step_names_the_steps_of_this_processs_recorder() -> None:
+    """The public function and the runtime's (plumbing) act on the process's recorder."""
+    recorder = plumbing.reset_flight_recorder(8)
+    try:
+        plumbing.set_flight_step(2)
+        sc.set_training_step(12)
+        plumbing.set_flight_step(3)
+        assert recorder.step == 12
+        sc.set_training_step(None)
+        assert recorder.step == 3
+    finally:
+        plumbing.reset_flight_recorder()
+
+
+def _entry(seq: int, label: str, phase: str, state: str) -> sc.FlightEntry:
+    entry = sc.FlightEntry(seq, "all_gather", label, phase, 5, "0", (0, 1), 8, 32, torch.float32)
+    entry.state = state  # type: ignore[assignment]
+    return entry
+
+
+def test_a_missing_rank_is_placed_between_the_collectives_it_did_and_did_not_complete() -> None:
+    """The last collective completed with the dead rank is where it was last seen."""
+    entries = [
+        _entry(16, "GPT", "forward all-gather", "completed"),
+        _entry(17, "blocks.0", "forward all-gather", "completed"),
+        _entry(18, "blocks.1", "forward all-gather", "failed"),
+    ]
+    assert _diagnose._last_seen(1, entries) == (
+        "rank 1 was last seen in the all-gather of `blocks.0` (forward all-gather, step 5, "
+        "seq 17), the last collective it completed with this rank; it did not complete the "
+        "all-gather of `blocks.1` (forward all-gather, step 5, seq 18)"
+    )
+    assert _diagnose._last_seen(1, entries[:2]) == (
+        "rank 1 was last seen in the all-gather of `blocks.0` (forward all-gather, step 5, "
+        "seq 17), the last collective it completed with this rank"
+    )
+    assert _diagnose._last_seen(1, entries[2:]) == (
+        "rank 1 completed no recorded collective with this rank"
+    )
+    assert _diagnose._last_seen(2, entries) == (
+        "rank 2 completed no recorded collective with this rank"
+    )
+
+
+def test_no_sigterm_report_without_a_process_group() -> None:
+    """A process outside any group has no peers to name: the SIGTERM report says nothing."""
+    assert _diagnose.termination_report(deadline=0.0) is None
+
+
 def test_capacity_zero_records_nothing() -> None:
     """SHARD_FLIGHT_RECORDER=0 turns the recorder off: issue() returns None."""
     recorder = sc.FlightRecorder(0)
@@ -138,12 +207,16 @@ def test_a_failure_without_a_process_group_still_names_this_rank() -> None:
         plumbing.reset_flight_recorder()
     assert isinstance(error, CollectiveError)
     assert isinstance(error, RuntimeError)
-    message = str(error)
-    assert message.startswith(
-        "collective failed on rank 0 of 1: all-gather of `layers.3` (backward all-gather"
-    )
-    assert "rank 0 (this rank): last issued" in message
-    assert "[failed]" in message
+    assert str(error).splitlines() == [
+        "collective failed on rank 0 of 1: all-gather of `layers.3` (backward all-gather, "
+        "step 0, seq 0) raised RuntimeError: Timed out waiting 5000ms",
+        "  rank 0 (this rank): last issued all-gather of `layers.3` (backward all-gather, "
+        "step 0, seq 0) [failed]; last completed nothing",
+        "  fix: make every rank run the same modules in the same order each step (no "
+        "rank-dependent control flow around sharded modules), and check the named rank's log; "
+        "set SHARD_FLIGHT_RECORDER_DUMP=DIR and run `shard debug flight DIR` for the full "
+        "record",
+    ]
 
 
 def _rank_records() -> list[tuple[str, str | None, str, int, str, int]]:

@@ -15,13 +15,22 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, TCPStore
 
 import shard_comms as sc
 from shard_comms import _process_group, plumbing
 from shard_core import CpuDeviceHandle
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SHARD_STORE_ENDPOINT",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 TORCHRUN = {
     "RANK": "3",
     "WORLD_SIZE": "8",
@@ -70,6 +79,46 @@ def test_torchrun_variables_are_read() -> None:
     assert plumbing.parse_launch_env(TORCHRUN) == plumbing.LaunchEnv(
         rank=3, world_size=8, local_rank=1, master_addr="node0", master_port=29500, launched=True
     )
+
+
+def test_an_outside_store_and_the_restart_count_are_read() -> None:
+    """SHARD_STORE_ENDPOINT (the launcher's store) and the elastic agent's restart count."""
+    environ = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "SHARD_STORE_ENDPOINT": "127.0.0.1:29400",
+        "TORCHELASTIC_RESTART_COUNT": "2",
+    }
+    assert plumbing.parse_launch_env(environ) == plumbing.LaunchEnv(
+        rank=1,
+        world_size=2,
+        local_rank=1,
+        master_addr=None,
+        master_port=None,
+        launched=True,
+        store=("127.0.0.1", 29400),
+        attempt=2,
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["127.0.0.1", "host:port", ":29400", "host:70000"])
+def test_a_malformed_store_endpoint_is_named(endpoint: str) -> None:
+    """An endpoint that is not HOST:PORT says what it should be, and how to do without it."""
+    environ = {"RANK": "0", "WORLD_SIZE": "2", "SHARD_STORE_ENDPOINT": endpoint}
+    with pytest.raises(sc.DistributedInitError) as error:
+        plumbing.parse_launch_env(environ)
+    assert str(error.value) == (
+        f"SHARD_STORE_ENDPOINT={endpoint!r} is not HOST:PORT of a c10d TCPStore (e.g. "
+        "127.0.0.1:29400); set it to the store's address, or unset it to rendezvous through "
+        "MASTER_ADDR and MASTER_PORT"
+    )
+
+
+def test_plan_through_an_outside_store() -> None:
+    """With the launcher's store, no MASTER_ADDR is needed and no env:// is used."""
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "SHARD_STORE_ENDPOINT": "[::1]:29400"}
+    plan = plumbing.plan_init(plumbing.parse_launch_env(environ), CpuDeviceHandle())
+    assert (plan.init_method, plan.store, plan.attempt) == (None, ("::1", 29400), 0)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +242,12 @@ def fake_dist(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]
     monkeypatch.setattr(
         _process_group, "get_device_handle", lambda device_type=None: CpuDeviceHandle()
     )
+    # Never install a SIGTERM handler in the test process; record the states it was asked for.
+    monkeypatch.setattr(
+        _process_group,
+        "_report_on_sigterm",
+        lambda state: calls.append(("sigterm report", {"world_size": state.world_size})),
+    )
     return calls
 
 
@@ -210,7 +265,8 @@ def test_init_without_environment_is_a_world_of_one(
         timeout=timedelta(seconds=30),
         adopted=False,
     )
-    ((backend, kwargs),) = fake_dist
+    ((backend, kwargs), report) = fake_dist
+    assert report == ("sigterm report", {"world_size": 1})
     assert backend == "gloo"
     assert isinstance(kwargs.pop("store"), HashStore)
     assert kwargs == {
@@ -226,7 +282,7 @@ def test_second_init_returns_the_same_state(fake_dist: list[tuple[str, dict[str,
     first = sc.init_distributed(timeout=30)
     assert sc.init_distributed() is first
     assert sc.init_distributed(backend="gloo", timeout=timedelta(seconds=30)) is first
-    assert len(fake_dist) == 1
+    assert len(fake_dist) == 2  # init_process_group, and the SIGTERM report
 
 
 @pytest.mark.parametrize(
@@ -274,7 +330,8 @@ def test_init_under_torchrun_with_gpus_uses_nccl_and_the_local_gpu(
         torch.device("cuda", 1),
     )
     assert handle.set_devices == [torch.device("cuda", 1)]
-    assert fake_dist == [
+    assert fake_dist[1:] == [("sigterm report", {"world_size": 8})]
+    assert fake_dist[:1] == [
         (
             "nccl",
             {
@@ -286,6 +343,58 @@ def test_init_under_torchrun_with_gpus_uses_nccl_and_the_local_gpu(
             },
         )
     ]
+
+
+def test_init_through_an_outside_store_uses_one_prefix_per_attempt(
+    fake_dist: list[tuple[str, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' keys land in the launcher's store under shard/attempt/<restart count>/."""
+    outside = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    environ = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "SHARD_STORE_ENDPOINT": f"127.0.0.1:{outside.port}",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+    }
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    sc.init_distributed(timeout=20)
+    (backend, kwargs), report = fake_dist
+    assert backend == "gloo"
+    assert report == ("sigterm report", {"world_size": 2})
+    store = kwargs.pop("store")
+    assert kwargs == {
+        "rank": 1,
+        "world_size": 2,
+        "timeout": timedelta(seconds=20),
+        "device_id": None,
+    }
+    store.set("gloo/address", "rank 1")
+    assert outside.check(["shard/attempt/3/gloo/address"])
+    assert outside.get("shard/attempt/3/gloo/address") == b"rank 1"
+
+
+def test_an_outside_store_that_does_not_answer_is_named(
+    fake_dist: list[tuple[str, dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No store at SHARD_STORE_ENDPOINT: the error names it and where it comes from."""
+    closed = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = closed.port
+    del closed
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("SHARD_STORE_ENDPOINT", f"127.0.0.1:{port}")
+    with pytest.raises(sc.DistributedInitError) as error:
+        sc.init_distributed(timeout=1)
+    assert str(error.value).startswith(
+        f"cannot reach the c10d store at 127.0.0.1:{port} (SHARD_STORE_ENDPOINT): "
+    )
+    assert str(error.value).endswith(
+        "; start the ranks with the launcher that hosts it (shard train), or unset "
+        "SHARD_STORE_ENDPOINT"
+    )
+    assert fake_dist == []
 
 
 # ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ def test_the_front_door_holds_what_a_training_script_uses() -> None:
         "comm_counters",
         "count_collectives",
         "flight_recorder",
+        "set_training_step",
         "DefaultGradReducer",
         "reduce_gradient",
         "resolve_comm_hook",

@@ -10,11 +10,19 @@ The batch of a step is drawn from a generator seeded by ``(seed, step,
 rank)`` and nothing else: no sampler state to checkpoint, a resumed run
 sees exactly the batches an uninterrupted one would have seen, and every
 rank draws its own. The same corpus on every rank needs the same installed
-sources; the vocabulary is stored with the run so a resumed run checks it.
+sources. That holds only if the data does not change under the run: an
+edit anywhere in the text moves every window (the starts are drawn over its
+length), so a resume (or a restart, which resumes) after an edit of the
+sources or of ``--data`` would train on other batches without a word; it
+once showed as losses that differed from step 4 on after a restart at step
+3, while a merge edited the sources a test trained on. So the run directory
+records the data's :func:`fingerprint` and its vocabulary, and a resumed run
+checks both (``_train.py``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +30,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CORPUS_PACKAGES", "TOKEN_DTYPES", "CharCorpus", "TokenFile", "load_corpus", "load_data"]
+__all__ = [
+    "CORPUS_PACKAGES",
+    "TOKEN_DTYPES",
+    "CharCorpus",
+    "TokenFile",
+    "fingerprint",
+    "load_corpus",
+    "load_data",
+]
 
 CORPUS_PACKAGES: tuple[str, ...] = (
     "shard_core",
@@ -158,6 +174,29 @@ class TokenFile:
             np.stack([tokens[s : s + seq + 1] for s in starts.tolist()]).astype(np.int64)
         )
         return window[:, :-1], window[:, 1:]
+
+
+# A token file's fingerprint hashes this many evenly spaced windows of this many tokens.
+_SAMPLES, _SAMPLE_TOKENS = 64, 4096
+
+
+def fingerprint(data: CharCorpus | TokenFile) -> str:
+    """A short hash that changes when the data does (see [Note: batches from the step alone]).
+
+    A text corpus hashes all of its text; a token file (possibly many
+    gigabytes) its length and 64 evenly spaced windows, which any insertion,
+    deletion or truncation moves and most in-place edits touch.
+    """
+    digest = hashlib.sha256()
+    if isinstance(data, CharCorpus):
+        digest.update(data.text.encode("utf-8"))
+        return digest.hexdigest()[:16]
+    tokens = _memmap(data.path, data.dtype)
+    digest.update(f"{data.dtype}:{data.length}".encode())
+    stride = max(1, data.length // _SAMPLES)
+    for start in range(0, data.length, stride)[:_SAMPLES]:
+        digest.update(tokens[start : start + _SAMPLE_TOKENS].tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _memmap(path: str | Path, dtype: str) -> Any:

@@ -19,8 +19,12 @@ machines the user starts the same module the same way; nothing else differs.
   machine): every collective has the ``--timeout`` of the process group, so
   the waiting ranks fail with an error instead of hanging.
 Either way checkpoints are written atomically (shard-checkpoint renames a
-complete directory into place), so the last one completed is loadable, and
-the message says where it is and how to resume.
+complete directory into place), so the last one completed is whole, and
+the message says where it is and how to resume. Whole is not verified:
+reading every byte of a large checkpoint at every failure would delay the
+message, so it names ``shard ckpt inspect --verify`` instead, and
+``--resume`` verifies as it loads (refusing a corrupt checkpoint, or
+falling back under ``--resume latest-intact``).
 
 With ``--max-restarts N`` the agent, instead of ending the job when a rank
 dies, stops the others and starts every rank again, up to N times; the new
@@ -29,12 +33,17 @@ ranks resume from the last checkpoint on their own ([Note: restarts] in
 ``ChildFailedError`` and the message above say so. The launcher gives its
 ranks one ``SHARD_TRAIN_LAUNCH_ID`` for all attempts, which the checkpoints
 record, so that a restart never resumes from an earlier run's checkpoint.
-Restarts also need ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: by default the
-agent hosts the ranks' TCPStore and keeps it across restarts, and the new
-ranks' process group then reads the dead ranks' addresses from it and fails
-to connect (pytorch/pytorch#135712); with the variable set, every attempt's
-rank 0 hosts a fresh store. The launcher sets it only under
-``--max-restarts``, so that otherwise the store outlives any rank.
+
+[Note: the launcher's store]
+The launcher hosts the ranks' c10d store (a TCPStore in this process, as
+torchrun's agent hosts its own) and gives them its address in
+``SHARD_STORE_ENDPOINT``; ``init_distributed`` rendezvouses through it under
+one prefix per attempt (shard-comms' [Note: A store that outlives every
+rank]). So the store outlives every rank, rank 0 included, and a survivor
+can always read its peers' flight records and name the dead rank; and a
+restart's ranks never read the dead attempt's addresses (the agent's own
+shared store, kept across restarts without such a prefix, makes restarted
+ranks fail to connect: pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
@@ -47,14 +56,12 @@ import uuid
 
 from shard_cli._options import TrainOptions
 from shard_cli._train_checkpoint import LAUNCH_ENV, read_step
+from shard_comms.plumbing import SHARD_STORE_ENV
 
 __all__ = ["is_launched_rank", "launch", "stopped_message"]
 
 # Exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
 INTERRUPTED = 130
-
-# Makes the elastic agent give each attempt a fresh TCPStore (see the module's note).
-FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 def is_launched_rank() -> bool:
@@ -70,7 +77,10 @@ def stopped_message(options: TrainOptions, cause: str) -> str:
     if step is None:
         lines.append(f"no checkpoint was completed at {path} (use --ckpt-every to save sooner).")
     else:
-        lines.append(f"last checkpoint: {path} (step {step}, complete and loadable).")
+        lines.append(
+            f"last checkpoint: {path} (step {step}, complete; "
+            f"`shard ckpt inspect --verify {path}` checks its checksums)."
+        )
         lines.append(f"continue with: shard train --resume --run-dir {options.run_dir}")
     return "\n".join(lines)
 
@@ -107,6 +117,7 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
     ``argv`` are the flags the ranks receive (the command line as given), so
     each rank resolves the same options. See [Note: stopping every rank].
     """
+    from torch._C._distributed_c10d import TCPStore
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
@@ -129,11 +140,12 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
         "train",
         *argv,
     ]
+    # See [Note: the launcher's store]; it closes when the launch returns.
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     # The ranks inherit these; restored afterwards for callers that launch in-process.
-    previous = {name: os.environ.get(name) for name in (LAUNCH_ENV, FRESH_STORE_ENV)}
+    previous = {name: os.environ.get(name) for name in (LAUNCH_ENV, SHARD_STORE_ENV)}
     os.environ[LAUNCH_ENV] = uuid.uuid4().hex
-    if options.max_restarts:
-        os.environ.setdefault(FRESH_STORE_ENV, "1")
+    os.environ[SHARD_STORE_ENV] = f"127.0.0.1:{store.port}"
     try:
         torchrun(args)
     except ChildFailedError as error:
@@ -149,6 +161,7 @@ def launch(options: TrainOptions, argv: list[str]) -> int:
         print("\n" + stopped_message(options, cause), file=sys.stderr, flush=True)
         return INTERRUPTED
     finally:
+        del store
         for name, value in previous.items():
             if value is None:
                 os.environ.pop(name, None)

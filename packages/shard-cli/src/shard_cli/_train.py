@@ -51,9 +51,23 @@ run's bit for bit: a step's batch depends only on ``(seed, step, rank)``
 reseeded from the same triple before every step (so dropout, were a model
 to use it, would not depend on how many steps this process ran), and the
 checkpoint holds the parameters and AdamW's state (its step count
-included) exactly. ``SHARD_TRAIN_TEST_KILL_AT_STEP=K``, for tests only,
-makes the last rank SIGKILL itself at the start of step ``K`` of the first
-attempt.
+included) exactly. ``SHARD_TRAIN_TEST_KILL_AT_STEP``, for tests only,
+makes a rank SIGKILL itself at a chosen point of a step of each attempt
+(``_kill_switch.py``).
+
+[Note: failure messages name the user's step]
+Every step first tells the flight recorder its number
+(``shard_comms.set_training_step``), so a collective that fails in step 5
+(the step 5 of the progress line, after a resume too) is reported as step
+5, and the loss's all-reduce at the end of the step goes through shard's
+``all_reduce`` (labelled ``loss``) so that a rank lost in the optimizer step
+is named like one lost in forward or backward. A rank lost during a
+checkpoint save fails the save's own collectives, which shard does not
+record; ``run_worker`` still exchanges the flight records then
+(``collective_failure`` with no entry), so the dead rank is named too. Under ``shard train`` the
+c10d store lives in the launcher (``_launch.py``), so the survivors of any
+rank, rank 0 included, exchange their records; a survivor the launcher
+stops first still writes what it knows (shard-comms' ``_terminate.py``).
 """
 
 from __future__ import annotations
@@ -63,7 +77,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -81,8 +94,9 @@ from torch.distributed.tensor import DTensor
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks, find_blocks, wrap_blocks
 from shard_cli._comm_quant import apply_comm_quant
-from shard_cli._corpus import CharCorpus, TokenFile, load_data
+from shard_cli._corpus import CharCorpus, TokenFile, fingerprint, load_data
 from shard_cli._finetune import Finetuning, finetuned_source, parameter_counts
+from shard_cli._kill_switch import KillSwitch, kill_point
 from shard_cli._measured_steps import MeasuredSteps
 from shard_cli._model_source import (
     ModelSource,
@@ -108,14 +122,18 @@ from shard_cli._summary import RunSummary
 from shard_cli._tensorboard import MetricsWriter
 from shard_cli._train_checkpoint import TrainCheckpointer, launch_id, load_training, read_info
 from shard_cli.gpt import GPT, GPTConfig
-from shard_comms import CommCounts, get_device_handle, init_distributed
+from shard_comms import (
+    CommCounts,
+    all_reduce,
+    get_device_handle,
+    init_distributed,
+    set_training_step,
+)
+from shard_comms.plumbing import SHARD_STORE_ENV, collective_failure
 from shard_core.errors import CollectiveError, ShardError
 from shard_runtime import FSDPModule, FullyShardedDataParallel
 
 __all__ = ["predict", "predict_ranks", "run_worker"]
-
-# Test hook: the last rank SIGKILLs itself at the start of this step, first attempt only.
-_KILL_AT_STEP_ENV = "SHARD_TRAIN_TEST_KILL_AT_STEP"
 
 
 def restart_attempt() -> int:
@@ -145,7 +163,9 @@ def restart_options(options: TrainOptions, attempt: int) -> tuple[TrainOptions, 
             f"shard train: restart {attempt} after a rank failed: resuming from the "
             f"checkpoint at step {info.step} ({where})"
         )
-        return dataclasses.replace(options, resume=True), note, False
+        # The user's --resume latest-intact stays; a plain restart refuses a corrupt checkpoint.
+        resume = options.resume or True
+        return dataclasses.replace(options, resume=resume), note, False
     note = (
         f"shard train: restart {attempt} after a rank failed: no checkpoint of this run "
         f"yet at {where}, starting over from step 1"
@@ -159,9 +179,12 @@ def _check_restart_store() -> None:
     Under ``torchrun`` the agent shares its TCPStore with the ranks and keeps
     it across restarts; the new process group would read the dead ranks'
     addresses from it and fail with gloo's or NCCL's connection errors
-    (pytorch/pytorch#135712). ``shard train``'s launcher avoids it; a bare
-    ``torchrun --max-restarts`` needs the variable named below.
+    (pytorch/pytorch#135712). ``shard train``'s launcher avoids it (its own
+    store, one prefix per attempt); a bare ``torchrun --max-restarts`` needs
+    the variable named below.
     """
+    if os.environ.get(SHARD_STORE_ENV):
+        return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         raise RuntimeError(
             "restarted by torchrun's elastic agent with its shared TCPStore, which still "
@@ -169,17 +192,6 @@ def _check_restart_store() -> None:
             "(pytorch/pytorch#135712); set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the "
             "environment of torchrun (shard train --max-restarts does)"
         )
-
-
-def _kill_if_asked(step: int, kill_at: int | None) -> None:
-    """SIGKILL this process at the start of step ``kill_at`` (test hook, see [Note: restarts]).
-
-    stdout is flushed first: SIGKILL drops whatever the buffer still holds, and the test
-    reads the steps printed before the kill.
-    """
-    if step == kill_at:
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _seed_step(seed: int, step: int, rank: int) -> None:
@@ -384,6 +396,7 @@ class _Run:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         self.run_dir = Path(options.run_dir)
         self.corpus: CharCorpus | TokenFile = load_data(options.data, options.data_dtype)
+        self.data_fingerprint = fingerprint(self.corpus)
         self.config: GPTConfig | None = None
         if not (options.model or options.hf_config):
             self.config = model_config(options, self.corpus.vocab_size)
@@ -401,6 +414,9 @@ class _Run:
         )
         self.vocab_size = self._model_vocab(model)
         self.policy = wrap_policy_name(options, self.source)
+        # Test hook, see [Note: restarts].
+        self.kill = KillSwitch(kill_point(self.rank, self.world, restart_attempt()))
+        self.kill.arm_forward(model)
         self._wrap_blocks(model)
         self.trainable, self.parameters = parameter_counts(model)
         layout = shard_layout(options.strategy, self.world, options.shard_size)
@@ -486,6 +502,31 @@ class _Run:
                     "was started (its file, or shard's sources, were edited), so the "
                     "checkpoint's embedding does not fit; start a new run with another --run-dir"
                 )
+            self._check_same_data(stored.get("data"))
+
+    def _check_same_data(self, stored: Any) -> None:
+        """The data of the run, if its path is the one the run started with, is unchanged.
+
+        See [Note: batches from the step alone] in ``_corpus.py``: the same
+        path with other contents would silently train on other batches. Another
+        ``--data`` is the user's choice, and is trained on.
+        """
+        if not isinstance(stored, dict) or stored.get("path") != self.options.data:
+            return
+        if stored.get("fingerprint") == self.data_fingerprint:
+            return
+        what = (
+            f"--data {self.options.data}"
+            if self.options.data
+            else "shard's sources (the installed shard packages were edited or upgraded)"
+        )
+        raise RuntimeError(
+            f"--resume: the training data changed since {self.run_dir} was started: {what} "
+            f"holds other text now (fingerprint {self.data_fingerprint}, the run started with "
+            f"{stored.get('fingerprint')}), so the steps to come would draw other batches than "
+            "an uninterrupted run; put the data back as it was, or start a new run with "
+            "another --run-dir"
+        )
 
     def prepare(self) -> None:
         """Resume from the checkpoint, or start the run directory."""
@@ -510,6 +551,7 @@ class _Run:
                         "source": self.source.description,
                         "config": asdict(self.config) if self.config else None,
                         "vocab": self._data_vocab(),
+                        "data": {"path": options.data, "fingerprint": self.data_fingerprint},
                         "vocab_size": self.vocab_size,
                         "parameters": self.parameters,
                     },
@@ -585,11 +627,13 @@ class _Run:
             last = index == accum - 1
             with self._gradient_sync(last):
                 logits = self._logits(self.model, x)
+                self.kill.watch_logits(logits)
                 loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), y.reshape(-1))
                 (loss / accum if accum > 1 else loss).backward()  # type: ignore[no-untyped-call]
             total += loss.detach()
         max_norm = self.options.clip_grad_norm
         norm = self._clip(max_norm) if max_norm is not None else None
+        self.kill.at("optimizer")
         self.optim.step()
         return (total / accum if accum > 1 else total), norm
 
@@ -606,10 +650,10 @@ class _Run:
         handle = get_device_handle(self.device.type)
         handle.reset_peak_memory_stats()
         started = time.perf_counter()
-        kill_at = self._kill_at()
         for step in range(first, options.steps + 1):
             self.current_step = step
-            _kill_if_asked(step, kill_at)
+            set_training_step(step)  # See [Note: failure messages name the user's step]
+            self.kill.begin(step)
             _seed_step(options.seed, step, self.rank)
             began = time.perf_counter()
             loss, norm = self._run_step(step, measured)
@@ -653,7 +697,7 @@ class _Run:
         else:
             loss, norm = self._step(step)
         self.optim.zero_grad(set_to_none=True)
-        dist.all_reduce(loss)
+        all_reduce(loss, label="loss", phase="end of step")
         return float(loss) / self.world, norm
 
     def _check_finite(self, step: int, loss: float) -> None:
@@ -687,6 +731,7 @@ class _Run:
         """Save after every ``--ckpt-every``-th step and after the last (collective)."""
         options = self.options
         if step == options.steps or (options.ckpt_every and step % options.ckpt_every == 0):
+            self.kill.at("save")  # test hook, see [Note: restarts]
             self.checkpointer.save(
                 model=self.model,
                 optim=self.optim,
@@ -707,13 +752,6 @@ class _Run:
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, measured.rank_record(self.rank, rss_peak))
         return gathered
-
-    def _kill_at(self) -> int | None:
-        """The step at which this rank kills itself (test hook, see [Note: restarts])."""
-        given = os.environ.get(_KILL_AT_STEP_ENV)
-        if not given or self.rank != self.world - 1 or restart_attempt() != 0:
-            return None
-        return int(given)
 
     # ------------------------------------------------------------------ output
 
@@ -908,7 +946,10 @@ def run_worker(options: TrainOptions) -> int:
         if run is not None and run.rank == 0:
             print(f"\nshard train: interrupted during step {_step_of(run)}", flush=True)
         return 130
-    except (RuntimeError, FloatingPointError, ValueError, ShardError) as exc:
+    except (RuntimeError, FloatingPointError, ValueError, ShardError) as error:
+        exc: BaseException = error
+        if run is not None and _lost_a_peer(error):
+            exc = collective_failure(None, error)  # See [Note: failure messages name ...]
         rank = run.rank if run is not None else int(os.environ.get("RANK", "0"))
         where = f" during step {_step_of(run)}" if run is not None else ""
         print(
@@ -920,6 +961,21 @@ def run_worker(options: TrainOptions) -> int:
     finally:
         if run is not None and run.metrics_writer is not None:
             run.metrics_writer.close()  # the steps logged before a failure stay readable
+
+
+def _lost_a_peer(error: BaseException) -> bool:
+    """Whether ``error`` is a backend's communication error outside shard's collectives.
+
+    A checkpoint save's collectives are ``torch.distributed``'s own, so a
+    rank lost during a save fails them with the backend's bare error (gloo
+    and NCCL raise ``RuntimeError``s naming themselves).
+    """
+    if isinstance(error, CollectiveError) or not dist.is_initialized():
+        return False
+    if dist.get_world_size() < 2:
+        return False
+    bare = type(error) is RuntimeError or isinstance(error, dist.DistError)
+    return bare and any(name in str(error) for name in ("gloo", "NCCL", "Connection"))
 
 
 def _first_sentence(exc: BaseException) -> str:

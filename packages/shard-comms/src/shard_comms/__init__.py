@@ -26,7 +26,7 @@ from shard_comms._custom import CustomAllGather, CustomReduceScatter
 from shard_comms._device import get_device_handle
 from shard_comms._diagnose import format_flight_table, load_flight_dump
 from shard_comms._encoded import CodecSpec, ErrorFeedback, resolve_comm_codec
-from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder
+from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder, set_training_step
 from shard_comms._groups import mesh_groups
 from shard_comms._hooks import (
     DefaultGradReducer,
@@ -76,4 +76,5 @@ __all__ = [
     "reset_comm_counters",
     "resolve_comm_codec",
     "resolve_comm_hook",
+    "set_training_step",
 ]

@@ -26,11 +26,22 @@ waiting on the same broken group) read what is there and go on.
 [Note: A launcher's SIGTERM during the exchange]
 When a rank dies, an elastic launcher (torchrun, ``shard train``) terminates
 the others within its monitor interval, usually before they have read their
-peers' records: the named failure would never reach the console. So while
-the records are exchanged, SIGTERM is held (only where its handler is the
-default one, on the main thread); if one came, the finished message is
-logged and the signal delivered again, so the rank still ends as the
-launcher asked, a few seconds later.
+peers' records. Where :func:`~shard_comms.init_distributed` installed its
+SIGTERM handler (``_terminate.py``, [Note: SIGTERM from a launcher]), a
+SIGTERM during the exchange cuts the wait to ``SHARD_SIGTERM_GRACE_S``
+seconds from the signal; the finished message is then written to stderr and
+the rank ends by SIGTERM, as the launcher asked. A SIGTERM that comes before
+any collective has failed gets the same exchange from the handler
+(:func:`termination_report`), and one that comes after a failure was raised
+writes that failure again, so the console has it whichever came first.
+
+[Note: Where a dead rank was]
+A rank that died cannot publish its record, but the survivors' records say
+where it was: a collective completes on one rank only once every rank of its
+group has taken part, so the last collective this rank completed on a group
+that holds the dead rank is the last one the dead rank reached (its phase
+and step), and the one this rank is waiting in (or would issue next) is the
+one it never reached. The message names both.
 
 ``SHARD_FLIGHT_RECORDER_DUMP=DIR`` also writes every failing rank's whole
 record to ``DIR/flight_rank<r>.json``; ``shard debug flight DIR`` prints them
@@ -39,20 +50,19 @@ side by side (:func:`format_flight_table`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import signal
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
+from shard_comms import _terminate
 from shard_comms._flight import FlightEntry, FlightRecorder, flight_recorder
 from shard_core.errors import CollectiveError, CommError
 
@@ -62,6 +72,7 @@ __all__ = [
     "find_divergence",
     "format_flight_table",
     "load_flight_dump",
+    "termination_report",
 ]
 
 _LOG = logging.getLogger("shard.comms")
@@ -71,6 +82,9 @@ _DUMP_ENV = "SHARD_FLIGHT_RECORDER_DUMP"
 _DEFAULT_WAIT_S = 5.0
 _POLL_S = 0.05
 _reported = False
+_UNRECORDED = "a collective outside the flight record (a checkpoint save's, say)"
+# The message of this process's first collective failure, for a SIGTERM that comes after it.
+_last_failure: str | None = None
 
 
 def _wait_seconds() -> float:
@@ -189,55 +203,51 @@ def _default_store() -> Store | None:
         return None
 
 
+@dataclass(slots=True)
+class _Exchange:
+    """What one exchange of records found."""
+
+    answered: dict[int, dict[str, Any]] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    problem: str | None = None  # why the store could not be used
+    waited: float = 0.0  # seconds spent waiting for the missing ranks
+
+
 def _publish_and_gather(
     store: Store | None, rank: int, peers: Sequence[int], payload: dict[str, Any], wait: float
-) -> tuple[dict[int, dict[str, Any]], list[int], str | None]:
-    """Write this rank's summary, read the peers'.
+) -> _Exchange:
+    """Write this rank's summary, read the peers' for up to ``wait`` seconds.
 
-    See [Note: Exchanging records through the store].
+    See [Note: Exchanging records through the store]; a SIGTERM shortens the
+    wait (see [Note: A launcher's SIGTERM during the exchange]).
     """
+    if not peers:
+        return _Exchange()
     if store is None:
-        return {}, list(peers), "no c10d store to exchange records through"
+        return _Exchange(missing=list(peers), problem="no c10d store to exchange records through")
     try:
         store.set(_KEY.format(rank=rank), json.dumps(payload))
     except Exception as exc:
-        return {}, list(peers), f"the c10d store did not answer ({exc})"
-    answered: dict[int, dict[str, Any]] = {}
-    pending = list(peers)
-    deadline = time.monotonic() + wait
+        return _Exchange(missing=list(peers), problem=f"the c10d store did not answer ({exc})")
+    found = _Exchange(missing=list(peers))
+    began = time.monotonic()
+    deadline = began + wait
     while True:
-        for peer in list(pending):
+        for peer in list(found.missing):
             key = _KEY.format(rank=peer)
             try:
                 if not store.check([key]):
                     continue
-                answered[peer] = json.loads(store.get(key))
+                found.answered[peer] = json.loads(store.get(key))
             except Exception as exc:
-                return answered, pending, f"the c10d store stopped answering ({exc})"
-            pending.remove(peer)
-        if not pending or time.monotonic() >= deadline:
-            return answered, pending, None
+                found.problem = f"the c10d store stopped answering ({exc})"
+                return found
+            found.missing.remove(peer)
+        now = time.monotonic()
+        found.waited = now - began
+        if not found.missing or now >= _terminate.exchange_deadline(deadline):
+            return found
         time.sleep(_POLL_S)
-
-
-@contextlib.contextmanager
-def _sigterm_held() -> Iterator[list[int]]:
-    """Hold SIGTERM inside the block; the list says whether one came.
-
-    See [Note: A launcher's SIGTERM during the exchange].
-    """
-    held: list[int] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield held
-        return
-    signal.signal(signal.SIGTERM, lambda signum, _frame: held.append(signum))
-    try:
-        yield held
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _dump(rank: int, payload: Mapping[str, Any]) -> str | None:
@@ -260,6 +270,11 @@ def _dump(rank: int, payload: Mapping[str, Any]) -> str | None:
 def collective_failure(entry: FlightEntry | None, error: BaseException) -> CollectiveError:
     """The named failure for ``entry``, which the backend failed with ``error``.
 
+    ``entry`` ``None``: a collective the recorder does not see (``torch.distributed``
+    called directly, as a checkpoint save does) failed with ``error``; the
+    message then names what every rank last did in shard's collectives, and
+    which ranks are gone.
+
     Marks the entry failed, exchanges records with the peers (see [Note:
     Exchanging records through the store]) and returns the exception to
     raise; the caller raises it ``from error``. Whatever goes wrong while
@@ -277,7 +292,7 @@ def collective_failure(entry: FlightEntry | None, error: BaseException) -> Colle
 
 
 def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveError:
-    global _reported
+    global _reported, _last_failure
     recorder = flight_recorder()
     recorder.fail(entry)
     initialized = dist.is_available() and dist.is_initialized()
@@ -301,44 +316,130 @@ def _diagnose(entry: FlightEntry | None, error: BaseException) -> CollectiveErro
         reason,
         wait,
     )
-    with _sigterm_held() as terminated:
-        answered, missing, store_problem = _publish_and_gather(store, rank, peers, payload, wait)
-    dumped = _dump(rank, payload)
+    # See [Note: A launcher's SIGTERM during the exchange].
+    with _terminate.exchanging():
+        found = _publish_and_gather(store, rank, peers, payload, wait)
+        dumped = _dump(rank, payload)
+        # No entry: a collective shard does not record (a checkpoint's) failed.
+        what = describe_entry(failed) if failed is not None else _UNRECORDED
+        lines = [f"collective failed on rank {rank} of {world}: {what} raised {reason}"]
+        if not recorder.enabled:
+            lines.append(
+                "the flight recorder is off (SHARD_FLIGHT_RECORDER=0): no record to compare"
+            )
+        lines.extend(_findings(rank, payload, found, f"after up to {wait:g} s ({_WAIT_ENV})"))
+        if dumped is not None:
+            lines.append(f"flight record written to {dumped}")
+        lines.append(_fix(rank, payload, found))
+        failure = CollectiveError("\n  ".join(lines))
+        _last_failure = str(failure)
+    # A SIGTERM from here on runs the handler, which writes _last_failure and ends the rank.
+    if _terminate.terminated():
+        stopped = f"shard: rank {rank} of {world} was stopped by SIGTERM:"
+        _terminate.write_console(f"{stopped}\n{failure}")
+        _terminate.end_as_asked()
+    return failure
 
+
+def termination_report(deadline: float) -> str | None:
+    """What a rank stopped by SIGTERM says, exchanging records until ``deadline`` (monotonic).
+
+    ``None`` when there is nothing to say: every rank answered and no record
+    differs (the whole job is being stopped). After a collective failure,
+    that failure again. See [Note: SIGTERM from a launcher] in ``_terminate.py``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if _last_failure is not None:
+        return f"shard: rank {rank} of {world} was stopped by SIGTERM after:\n{_last_failure}"
+    recorder = flight_recorder()
+    payload: dict[str, Any] = {
+        "rank": rank,
+        "time": time.time(),
+        "reason": "stopped by SIGTERM",
+        "failed": None,
+    }
+    payload.update(recorder.summary())
+    peers = [r for r in range(world) if r != rank]
+    wait = max(0.0, deadline - time.monotonic())
+    found = _publish_and_gather(_default_store(), rank, peers, payload, wait)
+    everyone = {rank: payload, **found.answered}
+    if not found.missing and found.problem is None and find_divergence(everyone) is None:
+        return None
+    dumped = _dump(rank, payload)
+    grace = f"after up to {_terminate.grace_seconds():g} s ({_terminate.GRACE_ENV})"
     lines = [
-        f"collective failed on rank {rank} of {world}: {describe_entry(failed)} raised {reason}"
+        f"shard: rank {rank} of {world} was stopped by SIGTERM (its launcher ending the job) "
+        f"during step {payload['step']}; its last collective: "
+        f"{_with_state(payload.get('issued'))}"
     ]
-    if not recorder.enabled:
-        lines.append("the flight recorder is off (SHARD_FLIGHT_RECORDER=0): no record to compare")
-    lines.append(_rank_line(rank, payload, me=True))
-    for peer in sorted(answered):
-        lines.append(_rank_line(peer, answered[peer], me=False))
-    everyone = {rank: payload, **answered}
+    lines.extend(_findings(rank, payload, found, grace))
+    if dumped is not None:
+        lines.append(f"flight record written to {dumped}")
+    lines.append(_fix(rank, payload, found))
+    return "\n  ".join(lines)
+
+
+def _with_state(entry: Mapping[str, Any] | None) -> str:
+    return describe_entry(entry) + (f" [{entry['state']}]" if entry is not None else "")
+
+
+def _findings(rank: int, payload: dict[str, Any], found: _Exchange, waited: str) -> list[str]:
+    """The lines every report shares: each rank's last collectives, the difference, the missing."""
+    lines = [_rank_line(rank, payload, me=True)]
+    for peer in sorted(found.answered):
+        lines.append(_rank_line(peer, found.answered[peer], me=False))
+    everyone = {rank: payload, **found.answered}
     divergence = find_divergence(everyone)
     if divergence is not None:
         lines.append(f"first difference: {divergence}")
     else:  # after a difference, who is ahead is only its fallout
         lines.extend(_behind(everyone))
-    if missing:
-        names = ", ".join(str(r) for r in missing)
+    if found.missing:
+        names = ", ".join(str(r) for r in found.missing)
         lines.append(
             f"did not answer: rank {names} (dead, or stuck outside a collective; no record "
-            f"in the c10d store after {wait:g} s)"
+            f"in the c10d store {waited})"
         )
-    if store_problem is not None:
-        lines.append(store_problem)
-    if dumped is not None:
-        lines.append(f"flight record written to {dumped}")
-    lines.append(
+        entries = flight_recorder().entries()
+        lines.extend(_last_seen(peer, entries) for peer in found.missing)
+    if found.problem is not None:
+        lines.append(found.problem)
+    return lines
+
+
+def _last_seen(peer: int, entries: Sequence[FlightEntry]) -> str:
+    """Where ``peer`` was when it stopped answering; see [Note: Where a dead rank was]."""
+    shared = [e for e in entries if peer in e.ranks]
+    done = [i for i, e in enumerate(shared) if e.state == "completed"]
+    if not done:
+        return f"rank {peer} completed no recorded collective with this rank"
+    last = shared[done[-1]]
+    line = (
+        f"rank {peer} was last seen in the {describe_entry(last.as_dict())}, the last "
+        "collective it completed with this rank"
+    )
+    after = next((e for e in shared[done[-1] + 1 :] if e.state != "completed"), None)
+    if after is not None:
+        line += f"; it did not complete the {describe_entry(after.as_dict())}"
+    return line
+
+
+def _fix(rank: int, payload: Mapping[str, Any], found: _Exchange) -> str:
+    """The advice: a rank that diverged is a bug in the program; a missing one, a lost rank."""
+    more = f"set {_DUMP_ENV}=DIR and run `shard debug flight DIR` for the full record"
+    if found.missing and find_divergence({rank: payload, **found.answered}) is None:
+        names = ", ".join(str(r) for r in found.missing)
+        return (
+            f"fix: find out what ended rank {names} (its own output; the launcher's exit code "
+            f"for it: SIGKILL is often the out-of-memory killer); {more}"
+        )
+    return (
         "fix: make every rank run the same modules in the same order each step (no "
         "rank-dependent control flow around sharded modules), and check the named rank's log; "
-        f"set {_DUMP_ENV}=DIR and run `shard debug flight DIR` for the full record"
+        f"{more}"
     )
-    failure = CollectiveError("\n  ".join(lines))
-    if terminated:
-        _LOG.error("%s", failure)
-        os.kill(os.getpid(), signal.SIGTERM)  # the default action again: end as asked
-    return failure
 
 
 def load_flight_dump(directory: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:

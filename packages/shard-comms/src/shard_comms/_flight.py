@@ -26,6 +26,20 @@ in the same order give each one the same number, so comparing two ranks'
 records entry by entry, sequence number by sequence number, finds the first
 collective where they disagree. A new default process group (a job that
 re-initialises) starts a new record: the ring is cleared.
+
+[Note: Which step a record names]
+An entry's step is the step the training loop shows, when the loop says it:
+:func:`set_training_step` (``shard train`` calls it with its own steps, 1
+first, continued across ``--resume`` and restarts), so that "step 5" in a
+failure is the step 5 the user saw. A loop that never calls it gets the
+runtime's count: the root's completed backwards, 0 in the first iteration
+(what ``for step in range(n)`` shows), which the runtime sets through
+:func:`set_flight_step` at every root forward and at the end of every
+backward. The runtime's count cannot stand for the loop's: it starts at 0
+in every process, so after a resume or a restart it is the loop's step
+minus the checkpoint's; and it moves at the end of backward, so the
+collectives of the optimizer step and of the end of the step would name
+the next step.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ __all__ = [
     "flight_recorder",
     "reset_flight_recorder",
     "set_flight_step",
+    "set_training_step",
 ]
 
 FlightState = Literal["issued", "completed", "failed"]
@@ -151,7 +166,11 @@ class FlightRecorder:
                 f"set {_ENV} to a number of entries, or 0 to turn the recorder off"
             )
         self.capacity = capacity
+        # The step new entries name (See [Note: Which step a record names]); the two below
+        # decide it.
         self.step = 0
+        self._runtime_step = 0
+        self._training_step: int | None = None
         self._ring: list[FlightEntry | None] = [None] * capacity
         self._count = 0
         self._lock = threading.Lock()
@@ -254,6 +273,17 @@ class FlightRecorder:
             "recent": [entry.as_dict() for entry in entries[-recent:]],
         }
 
+    def set_runtime_step(self, step: int) -> None:
+        """The runtime's count of completed backwards; named unless the loop names its step."""
+        self._runtime_step = step
+        if self._training_step is None:
+            self.step = step
+
+    def set_training_step(self, step: int | None) -> None:
+        """The loop's step, named from now on; ``None`` goes back to the runtime's count."""
+        self._training_step = step
+        self.step = self._runtime_step if step is None else step
+
     def clear(self) -> None:
         """Forget every entry and sequence number."""
         with self._lock:
@@ -296,5 +326,18 @@ def reset_flight_recorder(capacity: int | None = None) -> FlightRecorder:
 
 
 def set_flight_step(step: int) -> None:
-    """Set the training step the next collectives are recorded under (the runtime's root does)."""
-    flight_recorder().step = step
+    """The runtime's step count for the next collectives (the runtime's root sets it).
+
+    Ignored while the training loop names its steps (:func:`set_training_step`).
+    """
+    flight_recorder().set_runtime_step(step)
+
+
+def set_training_step(step: int | None) -> None:
+    """Name the collectives that follow by ``step``, the step your training loop shows.
+
+    Failure messages then say "step 5" where the loop printed step 5, after a
+    resume too. ``None`` returns to the runtime's count of completed
+    backwards (0 in the first iteration). See [Note: Which step a record names].
+    """
+    flight_recorder().set_training_step(step)

@@ -10,6 +10,23 @@ handle says an accelerator is usable, gloo otherwise.
 The decisions (reading the environment, choosing backend and device) are
 plain functions, :func:`parse_launch_env` and :func:`plan_init`, so they are
 tested without a process group.
+
+[Note: A store that outlives every rank]
+The c10d store is where a failing rank reads its peers' flight records
+(``_diagnose.py``), so it must outlive any rank. Under ``env://`` without an
+agent's store, rank 0 hosts it, and a dead rank 0 takes it along: the
+survivors can only say "no record". ``SHARD_STORE_ENDPOINT=HOST:PORT`` names
+a TCPStore hosted outside the ranks instead (``shard train``'s launcher
+hosts one, as torchrun's agent does); the ranks rendezvous through it under
+the prefix ``shard/attempt/<TORCHELASTIC_RESTART_COUNT>/``, so that the
+ranks an elastic agent restarts never read the addresses of the attempt
+before (pytorch/pytorch#135712 is that failure for the agent's own store).
+The restart count is the same on every rank only when one agent restarts
+them all, on one machine: ``shard train`` (``--standalone``) is that case.
+
+In a launched job of several ranks, ``init_distributed`` also installs the
+SIGTERM handler of ``_terminate.py`` ([Note: SIGTERM from a launcher]): a
+rank its launcher stops says what it knows before it ends.
 """
 
 from __future__ import annotations
@@ -25,9 +42,11 @@ import torch
 import torch.distributed as dist
 
 # Not re-exported by torch.distributed on Windows.
-from torch._C._distributed_c10d import HashStore
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store, TCPStore
 
+from shard_comms import _terminate
 from shard_comms._device import current_accelerator_type, get_device_handle
+from shard_comms._diagnose import termination_report
 from shard_core import get_registry
 from shard_core.errors import DistributedInitError, UnknownPluginNameError
 from shard_core.protocols import DeviceHandle
@@ -37,6 +56,7 @@ __all__ = [
     "InitPlan",
     "LaunchEnv",
     "SHARD_DEVICE_ENV",
+    "SHARD_STORE_ENV",
     "choose_backend",
     "init_distributed",
     "parse_launch_env",
@@ -47,6 +67,10 @@ __all__ = [
 
 SHARD_DEVICE_ENV = "SHARD_DEVICE"
 """Environment variable naming the device type when ``init_distributed`` is given none."""
+
+SHARD_STORE_ENV = "SHARD_STORE_ENDPOINT"
+"""``HOST:PORT`` of a c10d TCPStore hosted outside the ranks; see [Note: A store that outlives
+every rank]."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +85,10 @@ class LaunchEnv:
         master_addr: ``MASTER_ADDR``, or ``None`` when unset.
         master_port: ``MASTER_PORT``, or ``None`` when unset.
         launched: Whether ``RANK`` and ``WORLD_SIZE`` were set at all.
+        store: ``SHARD_STORE_ENDPOINT`` as ``(host, port)``, or ``None`` when
+            unset (the store is ``MASTER_ADDR:MASTER_PORT``'s).
+        attempt: ``TORCHELASTIC_RESTART_COUNT``: 0, or which restart of the
+            job this process is.
     """
 
     rank: int
@@ -69,6 +97,8 @@ class LaunchEnv:
     master_addr: str | None
     master_port: int | None
     launched: bool
+    store: tuple[str, int] | None = None
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +112,12 @@ class InitPlan:
         local_rank: Rank on this node, which picks the device.
         device: The device this process computes on (``cpu``, or ``cuda:<local_rank>``...).
         timeout: Collective timeout; ``None`` keeps torch's default.
-        init_method: ``"env://"``, or ``None`` for an in-memory store (world of one).
+        init_method: ``"env://"``, or ``None`` for an in-memory store (world
+            of one) or the store below.
+        store: ``(host, port)`` of the TCPStore to rendezvous through, under
+            the prefix of ``attempt`` (see [Note: A store that outlives every
+            rank]); ``None``: ``init_method`` decides.
+        attempt: Which restart of the job this process is (0: the first run).
     """
 
     backend: str
@@ -92,6 +127,8 @@ class InitPlan:
     device: torch.device
     timeout: timedelta | None
     init_method: str | None
+    store: tuple[str, int] | None = None
+    attempt: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +200,9 @@ def parse_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if local_rank < 0:
         raise DistributedInitError(f"LOCAL_RANK={local_rank} must not be negative")
     port = _int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None
+    attempt = (
+        _int_var(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0
+    )
     return LaunchEnv(
         rank=rank,
         world_size=world_size,
@@ -170,7 +210,24 @@ def parse_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         master_addr=env.get("MASTER_ADDR"),
         master_port=port,
         launched=has_rank,
+        store=_store_endpoint(env),
+        attempt=attempt,
     )
+
+
+def _store_endpoint(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """``SHARD_STORE_ENDPOINT`` as ``(host, port)``; ``None`` when unset."""
+    raw = env.get(SHARD_STORE_ENV, "").strip()
+    if not raw:
+        return None
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise DistributedInitError(
+            f"{SHARD_STORE_ENV}={raw!r} is not HOST:PORT of a c10d TCPStore (e.g. "
+            "127.0.0.1:29400); set it to the store's address, or unset it to rendezvous "
+            "through MASTER_ADDR and MASTER_PORT"
+        )
+    return host.strip("[]"), int(port)
 
 
 def choose_backend(handle: DeviceHandle) -> str:
@@ -208,7 +265,12 @@ def plan_init(
         device = torch.device(handle.device_type, launch.local_rank)
     else:
         device = torch.device("cpu")
-    if launch.world_size > 1 and (launch.master_addr is None or launch.master_port is None):
+    external = launch.store if launch.world_size > 1 else None
+    if (
+        launch.world_size > 1
+        and external is None
+        and (launch.master_addr is None or launch.master_port is None)
+    ):
         raise DistributedInitError(
             f"WORLD_SIZE={launch.world_size} needs MASTER_ADDR and MASTER_PORT to find the "
             "other ranks; launch with torchrun, or set both"
@@ -220,7 +282,9 @@ def plan_init(
         local_rank=launch.local_rank,
         device=device,
         timeout=_as_timedelta(timeout),
-        init_method="env://" if launch.world_size > 1 else None,
+        init_method="env://" if launch.world_size > 1 and external is None else None,
+        store=external,
+        attempt=launch.attempt,
     )
 
 
@@ -350,6 +414,7 @@ def init_distributed(
             world = dist.group.WORLD
             if _STATE is None or _STATE_GROUP is not world:
                 _STATE, _STATE_GROUP = _adopt(device_type), world
+                _report_on_sigterm(_STATE)
             _check_compatible(_STATE, backend, wanted_timeout, device_type)
             return _STATE
         handle = resolve_device_handle(device_type)
@@ -358,7 +423,9 @@ def init_distributed(
             handle.set_device(plan.device)
         # A world of one (no init method) rendezvouses in an in-memory store.
         rendezvous: dict[str, Any] = {"init_method": plan.init_method}
-        if plan.init_method is None:
+        if plan.store is not None:
+            rendezvous = {"store": _outside_store(plan)}
+        elif plan.init_method is None:
             rendezvous = {"store": HashStore()}
         dist.init_process_group(
             plan.backend,
@@ -378,4 +445,30 @@ def init_distributed(
             adopted=False,
         )
         _STATE_GROUP = dist.group.WORLD
+        _report_on_sigterm(_STATE)
         return _STATE
+
+
+def _outside_store(plan: InitPlan) -> Store:
+    """A client of the store at ``plan.store``, under this attempt's prefix.
+
+    See [Note: A store that outlives every rank].
+    """
+    assert plan.store is not None
+    host, port = plan.store
+    timeout = plan.timeout if plan.timeout is not None else timedelta(minutes=30)
+    try:
+        client = TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, dist.DistError) as error:
+        raise DistributedInitError(
+            f"cannot reach the c10d store at {host}:{port} ({SHARD_STORE_ENV}): {error}; "
+            "start the ranks with the launcher that hosts it (shard train), or unset "
+            f"{SHARD_STORE_ENV}"
+        ) from error
+    return PrefixStore(f"shard/attempt/{plan.attempt}", client)  # keys: shard/attempt/N/KEY
+
+
+def _report_on_sigterm(state: DistributedState) -> None:
+    """In a launched job of several ranks, report on SIGTERM (see ``_terminate.py``)."""
+    if state.world_size > 1 and parse_launch_env().launched:
+        _terminate.install(termination_report)

@@ -26,6 +26,7 @@ from shard_comms._custom import (
     group_allocates,
 )
 from shard_comms._device import clear_device_handle_cache
+from shard_comms._diagnose import collective_failure
 from shard_comms._encoded import (
     ENCODABLE_DTYPES,
     encoded_all_gather,
@@ -48,6 +49,7 @@ from shard_comms._groups import (
 )
 from shard_comms._process_group import (
     SHARD_DEVICE_ENV,
+    SHARD_STORE_ENV,
     InitPlan,
     LaunchEnv,
     choose_backend,
@@ -66,10 +68,12 @@ __all__ = [
     "ReduceAlgorithm",
     "ReduceOpName",
     "SHARD_DEVICE_ENV",
+    "SHARD_STORE_ENV",
     "choose_backend",
     "clear_buffer_cache",
     "clear_device_handle_cache",
     "clear_group_cache",
+    "collective_failure",
     "comm_buffer",
     "custom_all_gather",
     "custom_reduce_scatter",
