@@ -42,6 +42,14 @@ PyTorch sends for subclasses). Float8 tensors always travel as bytes, because
 gloo cannot all-gather float8 dtypes. The plan of the last gather (dtype and
 each piece's size) is what :meth:`PerParamLayout.finish_gather` splits by.
 
+[Note: the all-gather input is a row of its output]
+Each rank's contribution is copied once, from its padded shards, straight
+into its own row of the all-gather's output, and the collective is issued in
+place (PyTorch's FSDP2 does the same). A separate input buffer would hold
+another ``gather_numel`` elements while every all-gather (and every backward
+prefetch) is in flight, and cost one more allocation per gather, for the
+same copy. gloo and NCCL both accept an input that is the output's own row.
+
 [Note: one reduction per gradient dtype]
 Gradients are summed, so they cannot travel as bytes. A unit whose trainable
 parameters compute in several dtypes issues one reduce-scatter per dtype, each
@@ -234,7 +242,29 @@ class PerParamLayout:
     # ------------------------------------------------------------------ gather
 
     def gather_input(self, device: torch.device) -> torch.Tensor:
-        # See [Note: one all-gather, many dtypes].
+        sends, as_bytes = self._plan_gather(device)
+        send = torch.empty(self._gather_numel, dtype=self.gather_dtype, device=device)
+        self._write_gather_input(sends, as_bytes, send)
+        return send
+
+    def gather_input_in_output(
+        self, world: int, rank: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # See [Note: the all-gather input is a row of its output].
+        sends, as_bytes = self._plan_gather(device)
+        numel = self._gather_numel
+        output = torch.empty(world * numel, dtype=self.gather_dtype, device=device)
+        send = output.narrow(0, rank * numel, numel)
+        self._write_gather_input(sends, as_bytes, send)
+        return output, send
+
+    def _plan_gather(
+        self, device: torch.device
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.dtype]]], bool]:
+        """What each parameter sends and whether the unit gathers bytes; sets the gather plan.
+
+        See [Note: one all-gather, many dtypes].
+        """
         sends: list[list[tuple[torch.Tensor, torch.dtype]]] = []
         for p in self.params:
             if p.extension is not None:
@@ -244,18 +274,26 @@ class PerParamLayout:
                 sends.append([(p.padded_shard.view(-1), p.compute_dtype)])
         wire = {dtype for per_param in sends for _, dtype in per_param}
         as_bytes = len(wire) > 1 or any(dtype in _BYTES_ONLY for dtype in wire)
-        dtype = torch.uint8 if as_bytes else wire.pop()
-        self._gather_dtype = dtype
+        self._gather_dtype = torch.uint8 if as_bytes else wire.pop()
         self._gather_sizes = [
             [t.numel() * (want.itemsize if as_bytes else 1) for t, want in per_param]
             for per_param in sends
         ]
         self._gather_numel = sum(sum(sizes) for sizes in self._gather_sizes)
-        send = torch.empty(self._gather_numel, dtype=dtype, device=device)
+        return sends, as_bytes
+
+    def _write_gather_input(
+        self,
+        sends: list[list[tuple[torch.Tensor, torch.dtype]]],
+        as_bytes: bool,
+        send: torch.Tensor,
+    ) -> None:
+        """Write every parameter's contribution into ``send`` (1-D, ``gather_numel``)."""
         pieces = [t for per_param in sends for t, _ in per_param]
+        dtype = send.dtype
         if not as_bytes and all(t.dtype == dtype and t.device == send.device for t in pieces):
             torch.cat(pieces, out=send)  # one copy op for the unit
-            return send
+            return
         offset = 0
         for per_param, sizes in zip(sends, self._gather_sizes, strict=True):
             for (tensor, want), size in zip(per_param, sizes, strict=True):
@@ -267,7 +305,6 @@ class PerParamLayout:
                 else:
                     target.copy_(tensor)
                 offset += size
-        return send
 
     def gather_output(self, world: int, device: torch.device) -> torch.Tensor:
         return torch.empty(world * self.gather_numel, dtype=self.gather_dtype, device=device)
