@@ -63,6 +63,17 @@ autograd's saved-tensor check of another. Units whose parameters compute in
 several dtypes, or that hold tensor subclasses with their own all-gather,
 keep one storage per parameter.
 
+[Note: the reduce input in one copy]
+The reduce input is ``(world, reduce_numel)``: row ``r`` holds, parameter
+after parameter, the rows of each full gradient that rank ``r`` keeps,
+zero-padded to ``padded_rows`` (the all-gather's layout). When every
+gradient of the bucket is there (not empty) in one dtype and split on dim 0,
+``torch._chunk_cat`` writes exactly that in one operator for the unit (what
+PyTorch's FSDP2 calls for its copy-in), with the cast to the reduce dtype;
+otherwise each
+parameter's block is written on its own (``_copy_padded_rows``: zeros for a
+parameter without gradient, strided blocks for another dim).
+
 [Note: one reduction per gradient dtype]
 Gradients are summed, so they cannot travel as bytes. A unit whose trainable
 parameters compute in several dtypes issues one reduce-scatter per dtype, each
@@ -118,10 +129,16 @@ class PerParamLayout:
         self._padded_numels = [p.padded_numel for p in params]
         # - the trainable parameters by reduction; see [Note: one reduction per gradient dtype]
         self._buckets: list[list[ShardedParam]] = [self.trainable]
+        self._reduce_numels = [sum(p.padded_numel for p in self.trainable)]
         self._grad_dtypes: list[torch.dtype] = []
         # - every parameter's padded unsharded buffer, back to back (None: one storage per
         #   parameter); see [Note: one unsharded storage per unit]
         self._unsharded: torch.Tensor | None = None  # 1D
+        # - built once per init_compute for the plain copy-out: each parameter's
+        #   (world, padded_numel) view of its unsharded buffer, and the tensors whose version
+        #   counters a gather preserves; None: rebuilt per gather (tensor subclasses)
+        self._copy_out: list[torch.Tensor] | None = None
+        self._versions: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ facts
 
@@ -151,7 +168,7 @@ class PerParamLayout:
         return self._gather_numel
 
     def reduce_numel(self, bucket: int = 0) -> int:
-        return sum(p.padded_numel for p in self._buckets[bucket])
+        return self._reduce_numels[bucket]
 
     @property
     def grad_dtypes(self) -> list[torch.dtype]:
@@ -213,6 +230,7 @@ class PerParamLayout:
 
         See [Note: one unsharded storage per unit].
         """
+        self._copy_out = self._versions = None
         dtypes = {param_dtype or p.padded_shard.dtype for p in self.params}
         if len(dtypes) != 1 or any(p.extension is not None for p in self.params):
             self._unsharded = None
@@ -228,6 +246,9 @@ class PerParamLayout:
             p.init_unsharded(dtype, device, storage, offset)
             offset += numel
         free_storage(self._unsharded)
+        self._versions = [t for p in self.params for t in p.version_tensors()]
+        if self._all_dim0:
+            self._copy_out = [p.unsharded_rows_view() for p in self.params]
 
     def _plan_buckets(self) -> None:
         """Group the trainable parameters by the dtype their gradients reduce in.
@@ -244,6 +265,7 @@ class PerParamLayout:
             for p in self.trainable:
                 by_dtype.setdefault(p.unsharded_param.dtype, []).append(p)
             self._buckets = list(by_dtype.values())
+        self._reduce_numels = [sum(p.padded_numel for p in bucket) for bucket in self._buckets]
         self._grad_dtypes = [bucket[0].unsharded_param.dtype for bucket in self._buckets if bucket]
 
     def reset_after_apply(self) -> None:
@@ -354,7 +376,9 @@ class PerParamLayout:
                 p.alloc_unsharded()
         world = self.params[0].shard_world
         columns = gathered.view(world, -1)
-        versions = [t for p in self.params for t in p.version_tensors()]
+        versions = self._versions
+        if versions is None:
+            versions = [t for p in self.params for t in p.version_tensors()]
         plain = self._gather_dtype != torch.uint8 and not any(
             p.extension is not None for p in self.params
         )
@@ -364,7 +388,9 @@ class PerParamLayout:
             if plain and len(self.params) == 1:
                 self.params[0].write_gathered(columns)
             elif plain and self._all_dim0:
-                outs = [p.unsharded_rows_view() for p in self.params]
+                outs = self._copy_out
+                if outs is None:
+                    outs = [p.unsharded_rows_view() for p in self.params]
                 torch.split_with_sizes_copy(columns, self._padded_numels, dim=1, out=outs)
             else:
                 offset = 0
@@ -424,16 +450,24 @@ class PerParamLayout:
         per_rank = self.reduce_numel(bucket)
         full = torch.empty(world * per_rank, dtype=dtype, device=device)
         columns = full.view(world, per_rank)
-        offset = 0
-        with_grad: list[bool] = []
-        for p in self._buckets[bucket]:
+        params = self._buckets[bucket]
+        grads: list[torch.Tensor | None] = []
+        for p in params:
             p.fold_grad()
-            grad = p.unsharded_grad()
-            with_grad.append(grad is not None)
-            _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
+            grads.append(p.unsharded_grad())
+        present = [g for g in grads if g is not None and g.dim() and g.numel()]
+        if len(present) == len(params) and self._all_dim0 and len({g.dtype for g in present}) == 1:
+            # See [Note: the reduce input in one copy].
+            flat = [g.reshape(-1) if p.flat else g for p, g in zip(params, present, strict=True)]
+            torch._chunk_cat(flat, 0, world, out=columns)
+        else:
+            offset = 0
+            for p, grad in zip(params, grads, strict=True):
+                _copy_padded_rows(columns[:, offset : offset + p.padded_numel], grad, p)
+                offset += p.padded_numel
+        for p in params:
             p.drop_unsharded_grads()
-            offset += p.padded_numel
-        return full, tuple(with_grad)
+        return full, tuple(g is not None for g in grads)
 
     def accumulate(
         self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool, bucket: int = 0
