@@ -42,10 +42,12 @@ from parameters + AdamW state, following what the runtime allocates and
 frees (``shard_runtime``'s ``Unit`` and its parameter groups):
 
 - forward, units in the order their forwards start (the root first):
-  gather (the all-gather's input and output exist while the full parameters
-  are built from them), add the unit's saved activations, and with
-  ``full``/``hybrid`` free the full parameters again (the root keeps its
-  own until its backward); a checkpointed unit adds only its inputs;
+  gather (the all-gather's output exists while the full parameters are
+  built from it; ``fully_shard`` writes its input into the output's own
+  row, the wrapper's is the shard itself unless it is cast), add the
+  unit's saved activations, and with ``full``/``hybrid`` free the full
+  parameters again (the root keeps its own until its backward); a
+  checkpointed unit adds only its inputs;
 - backward, in reverse: with ``full``/``hybrid`` complete the unit's gather
   (issued by the previous unit as a prefetch: its buffers exist from then,
   ``fully_shard``'s unsharded parameters only from now, when the output is
@@ -324,8 +326,8 @@ def _unit_sizes(unit: UnitPlan, config: PlanConfig, shard: int, shard_rank: int)
         optim=sizes["optim"],
         unsharded=sizes["unsharded"],
         full_grads=sizes["full_grads"],
-        # The input (this rank's padded shards) and the output (every rank's).
-        gather_temp=sizes["unsharded"] // shard + sizes["unsharded"],
+        # The output (every rank's padded shards); this rank's input is its own row.
+        gather_temp=sizes["unsharded"],
         reduce_in=shard * sizes["grads"],
     )
 

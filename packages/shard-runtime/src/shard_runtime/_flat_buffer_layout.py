@@ -298,6 +298,11 @@ class FlatBufferLayout:
         # collective's writes never reach the one autograd checks.
         return self.unsharded_param.data
 
+    def gather_input_in_output(
+        self, world: int, rank: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # the shard is sent as it is, into the unsharded buffer: no copy at all
+
     def finish_gather(self, gathered: torch.Tensor) -> None:
         if gathered.data_ptr() != self.unsharded.data_ptr():
             alloc_storage(self.unsharded)

@@ -242,12 +242,22 @@ class ShardedParam:
         self.init_unsharded(data.dtype, shard_device)
         return self
 
-    def init_unsharded(self, dtype: torch.dtype, device: torch.device) -> None:
+    def init_unsharded(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        storage: torch.UntypedStorage | None = None,
+        offset: int = 0,
+    ) -> None:
         """(Re)create the unsharded face in ``dtype`` on ``device``, storage released.
 
-        With an all-gather extension the face is built by the first gather
-        (``fsdp_post_all_gather``); until then it is an empty stand-in of the
-        right dtype and trainability.
+        With ``storage`` the padded unsharded buffer lives at element
+        ``offset`` of the unit's one unsharded storage, which the unit grows
+        and releases for all of its parameters at once (see [Note: one
+        unsharded storage per unit] in ``_per_param_layout.py``); it is left
+        as it is here. With an all-gather extension the face is built by the
+        first gather (``fsdp_post_all_gather``); until then it is an empty
+        stand-in of the right dtype and trainability.
         """
         self.compute_dtype = dtype
         if self.extension is not None:
@@ -259,9 +269,15 @@ class ShardedParam:
             return
         rows = self.padded_rows * self.shard_world
         shape = self.split_shape
-        self.unsharded_padded = torch.empty(
-            _with_dim(shape, self.shard_dim, rows), dtype=dtype, device=device
-        )
+        padded_shape = _with_dim(shape, self.shard_dim, rows)
+        if storage is None:
+            self.unsharded_padded = torch.empty(padded_shape, dtype=dtype, device=device)
+        else:
+            # Its own tensor on the shared storage, not a view of the unit's buffer: the
+            # parameters keep version counters of their own.
+            self.unsharded_padded = torch.empty(0, dtype=dtype, device=device).set_(
+                storage, offset, padded_shape, contiguous_stride(padded_shape)
+            )
         data = self.unsharded_padded.narrow(self.shard_dim, 0, shape[self.shard_dim])
         if self.flat:
             data = data.view(self.data_shape)
@@ -272,7 +288,8 @@ class ShardedParam:
                 spec = replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
             data = DTensor(data, spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
-        self.free_unsharded()
+        if storage is None:
+            self.free_unsharded()
 
     # -------------------------------------------------------------- trainability
 

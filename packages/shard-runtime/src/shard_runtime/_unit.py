@@ -264,6 +264,7 @@ class Unit:
     def __post_init__(self) -> None:
         self.shard_group, self.replicate_group = mesh_groups(self.mesh)
         self.shard_world = self.shard_group.size()
+        self.shard_rank = self.shard_group.rank()
         self.replicate_world = 1 if self.replicate_group is None else self.replicate_group.size()
         self.streams = streams_for(self.compute_device)
         # What the unit has issued and not accumulated yet; see _reduction.py.
@@ -397,13 +398,35 @@ class Unit:
             if self._post_forward_shard is not None:
                 assert isinstance(self.reshard_after_forward, PostForwardGroup)
                 send, group = self._post_forward_shard, self.reshard_after_forward.group
+                output, work = self._all_gather(send, group)
             else:
-                send, group = self.layout.gather_input(self.compute_device), self.shard_group
-            output, work = self._all_gather(send, group)
+                output, send, work = self._gather_shards()
             issued = stream.record_event()
         self._pending_gather = _PendingGather(work, output, send, issued)
         if not async_op:
             self.wait_for_unshard()
+
+    def _gather_shards(self) -> tuple[torch.Tensor, torch.Tensor, CommHandle]:
+        """Issue the all-gather of the unit's shards; its output, input and handle.
+
+        shard's own all-gather runs in place where the layout can write this
+        rank's input into its row of the output (see [Note: the all-gather
+        input is a row of its output] in ``_per_param_layout.py``).
+        """
+        group = self.shard_group
+        # A comm codec encodes the whole input before it writes the output: not in place.
+        in_place = self.custom_all_gather is None and self.weight_codec is None
+        if in_place and not self._group_allocates(group):
+            staged = self.layout.gather_input_in_output(
+                self.shard_world, self.shard_rank, self.compute_device
+            )
+            if staged is not None:
+                output, send = staged
+                phase = self._gather_phase()
+                return output, send, self._issue_all_gather(output, send, group, phase)
+        send = self.layout.gather_input(self.compute_device)
+        output, work = self._all_gather(send, group)
+        return output, send, work
 
     def _all_gather(
         self, send: torch.Tensor, group: dist.ProcessGroup
@@ -413,9 +436,7 @@ class Unit:
             return custom_all_gather(
                 self.custom_all_gather, send, group, async_op=True, label=self.comm_label
             )
-        # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
-        backward = torch._C._current_graph_task_id() != -1
-        phase = "backward all-gather" if backward else "forward all-gather"
+        phase = self._gather_phase()
         codec = self.weight_codec
         if codec is not None and group is self.shard_group and send.dtype in ENCODABLE_DTYPES:
             # See [Note: Comm codecs].
@@ -432,9 +453,18 @@ class Unit:
             )
         else:
             output = self.layout.gather_output(self.shard_world, self.compute_device)
-        return output, all_gather(
-            output, send, group, async_op=True, label=self.comm_label, phase=phase
-        )
+        return output, self._issue_all_gather(output, send, group, phase)
+
+    def _issue_all_gather(
+        self, output: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup, phase: str
+    ) -> CommHandle:
+        return all_gather(output, send, group, async_op=True, label=self.comm_label, phase=phase)
+
+    @staticmethod
+    def _gather_phase() -> str:
+        # Backward prefetches gather units that are not in PRE_BACKWARD yet: ask autograd.
+        backward = torch._C._current_graph_task_id() != -1
+        return "backward all-gather" if backward else "forward all-gather"
 
     def _group_allocates(self, group: dist.ProcessGroup) -> bool:
         return self.comm_allocator != "default" and group_allocates(group, self.compute_device)

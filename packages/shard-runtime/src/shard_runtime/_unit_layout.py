@@ -159,6 +159,17 @@ class UnitLayout(Protocol):
         """Where the all-gather writes: 1-D, ``world * gather_numel``."""
         ...
 
+    def gather_input_in_output(
+        self, world: int, rank: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An all-gather output with this rank's input already in row ``rank``, and that row.
+
+        ``None`` when the layout gathers from a separate input
+        (:meth:`gather_input` into :meth:`gather_output`). Sets
+        gather_numel and gather_dtype as :meth:`gather_input` does.
+        """
+        ...
+
     def finish_gather(self, gathered: torch.Tensor) -> None:
         """Make the full parameters from ``gathered`` and register them on the modules."""
         ...

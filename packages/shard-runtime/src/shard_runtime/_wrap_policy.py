@@ -446,11 +446,14 @@ def _first_split_tie(
     groups: dict[tuple[object, ...], _AliasGroup] = {}
     seen: set[tuple[int, int]] = set()
 
-    def visit(module: nn.Module, name: str, unit_id: int) -> None:
+    # An explicit stack; see [Note: no recursive closures over parameters] in _module_tree.py.
+    stack: list[tuple[nn.Module, str, int]] = [(root, "", id(root))]
+    while stack:
+        module, name, unit_id = stack.pop()
         if id(module) in unit_ids:
             unit_id = id(module)
         if (id(module), unit_id) in seen:  # same subtree under the same unit: nothing new
-            return
+            continue
         seen.add((id(module), unit_id))
         for param_name, param in module.named_parameters(
             prefix=name, recurse=False, remove_duplicate=False
@@ -460,11 +463,12 @@ def _first_split_tie(
             group = groups.setdefault(_alias_key(param), _AliasGroup())
             group.names[param_name] = None
             group.unit_ids[unit_id] = None
-        for child_name, child in module.named_children():
-            if id(child) not in ignored_module_ids:
-                visit(child, f"{name}.{child_name}" if name else child_name, unit_id)
-
-    visit(root, "", id(root))
+        children = [
+            (child, f"{name}.{child_name}" if name else child_name, unit_id)
+            for child_name, child in module.named_children()
+            if id(child) not in ignored_module_ids
+        ]
+        stack.extend(reversed(children))  # the first child next: the order of a recursion
     return next((g for g in groups.values() if len(g.unit_ids) > 1), None)
 
 
