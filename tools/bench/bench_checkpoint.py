@@ -396,7 +396,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="checksums,overhead,async")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=9, help="overhead: rounds (ABAB)")
+    parser.add_argument("--rounds", type=int, default=60, help="overhead: rounds (ABAB)")
     parser.add_argument("--steps", type=int, default=40, help="async: steps per run")
     parser.add_argument("--every", type=int, default=10, help="async: save every N steps")
     parser.add_argument("--warmup", type=int, default=3, help="async: steps left out per run")
