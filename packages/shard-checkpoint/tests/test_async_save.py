@@ -261,6 +261,27 @@ def test_then_runs_once_the_checkpoint_is_in_place(tmp_path: Path) -> None:
     assert seen == [(tmp_path / "ckpt", True)]
 
 
+def test_close_ends_the_writer_thread_and_a_later_save_starts_one(tmp_path: Path) -> None:
+    """Nothing of the background saves outlives close_async_saves; the next save works."""
+
+    def writers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+
+    async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "a").result()
+    assert len(writers()) == 1
+    close_async_saves()
+    assert writers() == []
+    async_save({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "b").result()
+    assert len(writers()) == 1
+    assert torch.equal(_loaded_plain(tmp_path / "b"), torch.zeros(2))
+
+
+def _loaded_plain(path: Path) -> torch.Tensor:
+    state = {"w": torch.empty(2)}
+    load(state, checkpoint_id=path)
+    return state["w"]
+
+
 _CRASH = """
 import os, sys, threading, torch
 import shard_checkpoint._integrity as integrity

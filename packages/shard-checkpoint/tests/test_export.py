@@ -323,7 +323,7 @@ def _measured_export(front_end: str, directory: str) -> tuple[int, int] | None:
 def test_export_costs_rank0_one_unit_not_the_model(
     rank_pool: RankPool, tmp_path: Path, front_end: str
 ) -> None:
-    """Exporting 16 units of 4 MiB grows rank 0's peak by 2-4 units (model: 64 MiB)."""
+    """Exporting 16 units of 4 MiB grows rank 0's peak by 2-6 units, never the model (16)."""
     measured, other = rank_pool.run(_measured_export, 2, front_end, str(tmp_path))
     assert other is None
     assert measured is not None
@@ -340,7 +340,10 @@ def test_export_costs_rank0_one_unit_not_the_model(
     print(numbers)
     # One unit's full buffer, plus the scratch buffer of the same size that a gloo
     # all-gather uses inside (a bare all-gather of one unit grows the peak by ~1.9 units):
-    # 2.0 units when the test runs alone; after the package's other tests in the same rank
-    # processes, 3.0-4.0 units for fully_shard (smallest of five exports, 2 cores), where the
-    # earlier bound of 4 units failed. Holding the model would be 16 units; 6 is the bound.
-    assert growth < 6 * UNIT_BYTES, numbers
+    # 2.0 units when the test runs alone. After other saves in the same rank processes the
+    # fully_shard export's smallest of five grew to 5.0-6.0 units (19.9 and 23.9 MiB after
+    # test_async_save.py, 2026-11-27; 3.0-4.0 earlier), and in a standalone script after
+    # one blocking dcp.save of a tiny model its five exports gave 3-7.5 units: how many
+    # units' buffers gloo has not yet freed varies from run to run, the bound of 6 units
+    # was at the edge. Holding the model would be 16 units; 8 (half of it) is the bound.
+    assert growth < 8 * UNIT_BYTES, numbers

@@ -21,9 +21,10 @@ and :class:`AsyncSave` ``.result()`` waits for it and raises its error.
   would interleave in a different order on each rank.
 - A process that dies during the write leaves ``<id>.incomplete-*`` and the
   previous checkpoint as it was; the new one appears only once complete.
-- The CPU copy and the group stay for the next save; ``close_async_saves()``
-  (collective, after the last save: ``shard train`` calls it when training
-  ends) waits for the save in flight and frees both.
+- The CPU copy, the writer thread and the group stay for the next save;
+  ``close_async_saves()`` (collective, after the last save: ``shard train``
+  calls it when training ends) waits for the save in flight and frees all
+  three.
 - In one process without ``torch.distributed`` the background thread
   silences DCP's "single process" warning with ``warnings.catch_warnings``,
   which is not thread-safe: a ``catch_warnings`` of the main thread that
@@ -88,8 +89,9 @@ class AsyncSave:
                 _pending.forget(self._future)
 
 
-# One thread writes, one save at a time (see [Note: asynchronous saves]).
-_writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-ckpt")
+# One thread writes, one save at a time (see [Note: asynchronous saves]); made at the first
+# async_save after a close.
+_writer: concurrent.futures.ThreadPoolExecutor | None = None
 _stager_lock = threading.Lock()
 _stager: DefaultStager | None = None
 # The default group the background group was made for, and that group.
@@ -142,13 +144,18 @@ def async_save(
             then(path)
         return metadata
 
+    global _writer
+    if _writer is None:
+        _writer = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="shard-ckpt"
+        )
     future = _writer.submit(write)
     _pending.track(future)
     return AsyncSave(path, future, time.perf_counter() - started)
 
 
 def close_async_saves() -> None:
-    """Wait for the save in flight, then free the CPU copy and the background group.
+    """Wait for the save in flight, then free the CPU copy, the writer thread and the group.
 
     Call it on every rank after the last ``async_save`` (a later one starts
     afresh). See [Note: asynchronous saves].
@@ -156,10 +163,13 @@ def close_async_saves() -> None:
     Raises:
         CheckpointError: the save in flight failed (the memory is freed all the same).
     """
-    global _stager, _background
+    global _stager, _background, _writer
     try:
         _pending.wait()
     finally:
+        if _writer is not None:
+            _writer.shutdown(wait=True)
+            _writer = None
         with _stager_lock:
             if _stager is not None:
                 _stager.close()
