@@ -173,13 +173,7 @@ def check_structure(checkpoint: str, source: Source) -> Checked:
         CheckpointError: no ``.metadata``, or (without checksums) one that
             does not decode.
     """
-    encoded = _read_all(source, CHECKSUMS_FILE)
-    manifest: Manifest | None = None
-    if encoded is not None:
-        try:
-            manifest = decode_manifest(encoded)
-        except ManifestError as exc:
-            raise _damaged_manifest(checkpoint, exc) from None
+    manifest = _read_manifest(checkpoint, source)
     raw = _read_all(source, METADATA_FILE)
     if raw is None:
         raise CheckpointError(
@@ -201,20 +195,36 @@ def check_structure(checkpoint: str, source: Source) -> Checked:
         ) from None
     if manifest is None:
         if has_checksums_mark(metadata):
-            raise CorruptCheckpointError(
-                checkpoint=checkpoint,
-                file=CHECKSUMS_FILE,
-                rank=0,
-                problem=f"is missing (its {METADATA_FILE} says the save wrote one)",
-            )
+            raise _missing_manifest(checkpoint)
         return Checked(metadata=metadata, manifest=None)
     _check_files(checkpoint, source, manifest, metadata)
     return Checked(metadata=metadata, manifest=manifest)
 
 
-def _damaged_manifest(checkpoint: str, exc: ManifestError) -> CorruptCheckpointError:
+def _read_manifest(checkpoint: str, source: Source) -> Manifest | None:
+    """The decoded ``.checksums`` of ``checkpoint``; ``None`` when it has none.
+
+    Raises:
+        CorruptCheckpointError: the file is there but does not decode or fails its own checksum.
+    """
+    encoded = _read_all(source, CHECKSUMS_FILE)
+    if encoded is None:
+        return None
+    try:
+        return decode_manifest(encoded)
+    except ManifestError as exc:
+        raise CorruptCheckpointError(
+            checkpoint=checkpoint, file=CHECKSUMS_FILE, rank=0, problem=f"is damaged ({exc})"
+        ) from None
+
+
+def _missing_manifest(checkpoint: str) -> CorruptCheckpointError:
+    """The error for a checkpoint whose ``.metadata`` has the mark but no ``.checksums``."""
     return CorruptCheckpointError(
-        checkpoint=checkpoint, file=CHECKSUMS_FILE, rank=0, problem=f"is damaged ({exc})"
+        checkpoint=checkpoint,
+        file=CHECKSUMS_FILE,
+        rank=0,
+        problem=f"is missing (its {METADATA_FILE} says the save wrote one)",
     )
 
 
@@ -480,21 +490,9 @@ class VerifyingReader(FileSystemReader):
         if self._checked is not None and self._checked.metadata is metadata:
             return  # a reader that loads one checkpoint in parts (consolidate)
         checkpoint = str(self.path)
-        source = DirectorySource(checkpoint)
-        encoded = _read_all(source, CHECKSUMS_FILE)
-        manifest: Manifest | None = None
-        if encoded is not None:
-            try:
-                manifest = decode_manifest(encoded)
-            except ManifestError as exc:
-                raise _damaged_manifest(checkpoint, exc) from None
-        elif has_checksums_mark(metadata):
-            raise CorruptCheckpointError(
-                checkpoint=checkpoint,
-                file=CHECKSUMS_FILE,
-                rank=0,
-                problem=f"is missing (its {METADATA_FILE} says the save wrote one)",
-            )
+        manifest = _read_manifest(checkpoint, DirectorySource(checkpoint))
+        if manifest is None and has_checksums_mark(metadata):
+            raise _missing_manifest(checkpoint)
         self._checked = Checked(metadata=metadata, manifest=manifest)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
