@@ -46,6 +46,7 @@ from shard_checkpoint._storage import quiet_single_process
 from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches
+from shard_testing.resume import assert_bitwise_equal
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -123,21 +124,6 @@ def _async_while_training(front: str, root: str) -> dict[str, Any]:
     }
 
 
-def _assert_equal(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, dict):
-        assert sorted(got) == sorted(want), where
-        for key in want:
-            _assert_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), where
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_equal(a, b, f"{where}[{index}]")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
-
-
 @pytest.mark.parametrize("front", ["fully_shard", "wrapper"])
 def test_async_save_holds_the_values_at_the_call(
     rank_pool: RankPool, tmp_path: Path, front: str
@@ -145,10 +131,10 @@ def test_async_save_holds_the_values_at_the_call(
     """2 ranks: model and Adam state load back as they were at the call, bit for bit, as a
     blocking save of that moment (and PyTorch's dcp.async_save) give them."""
     for result in rank_pool.run(_async_while_training, 2, front, str(tmp_path)):
-        _assert_equal(result["async"], result["at_call"], "async")
-        _assert_equal(result["blocking"], result["at_call"], "blocking")
+        assert_bitwise_equal(result["async"], result["at_call"], "async")
+        assert_bitwise_equal(result["blocking"], result["at_call"], "blocking")
         if result["dcp"] is not None:
-            _assert_equal(result["async"], result["dcp"], "dcp")
+            assert_bitwise_equal(result["async"], result["dcp"], "dcp")
     assert sorted(os.listdir(tmp_path / "async")) == sorted(os.listdir(tmp_path / "blocking"))
     assert sorted(os.listdir(tmp_path / "async")) == [
         ".checksums",

@@ -34,6 +34,7 @@ from shard_cli._train_checkpoint import TrainCheckpointer, load_training, read_i
 from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard
 from shard_testing import RankPool
 from shard_testing.models import ResidualBlock, ToyNet, toy_batches
+from shard_testing.resume import assert_bitwise_equal
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -147,21 +148,6 @@ def _train_and_save(front: str, root: str, asynchronous: bool) -> dict[str, Any]
     }
 
 
-def _assert_equal(got: Any, want: Any, where: str = "") -> None:
-    if isinstance(want, dict):
-        assert sorted(got) == sorted(want), where
-        for key in want:
-            _assert_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, list):
-        assert len(got) == len(want), where
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            _assert_equal(a, b, f"{where}[{index}]")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
-
-
 @pytest.mark.parametrize("front", ["fully_shard", "wrapper"])
 def test_async_and_blocking_saves_resume_to_the_same_state(
     rank_pool: RankPool, tmp_path: Path, front: str
@@ -172,9 +158,9 @@ def test_async_and_blocking_saves_resume_to_the_same_state(
     for result in (*blocking, *background):
         assert result["step"] == 4
         assert result["listing"] == ["step-3", "step-4"]
-        _assert_equal(result["resumed"], result["trained"])
+        assert_bitwise_equal(result["resumed"], result["trained"])
     for ours, theirs in zip(blocking, background, strict=True):
-        _assert_equal(ours["trained"], theirs["trained"])
+        assert_bitwise_equal(ours["trained"], theirs["trained"])
 
 
 # ------------------------------------------------------------------ one process

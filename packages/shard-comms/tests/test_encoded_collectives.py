@@ -23,27 +23,9 @@ from shard_comms.plumbing import encoded_all_gather, encoded_all_reduce, encoded
 from shard_core.errors import CommError, UnknownPluginNameError
 from shard_core.protocols import CommCodec
 from shard_testing import RankPool
+from shard_testing.codecs import HalfCodec
 
 N = 10  # elements per rank: 10 over 3 ranks makes uneven all-reduce chunks
-
-
-class HalfCodec:
-    """Sends float16: two bytes a value; the residual is what float16 rounding lost."""
-
-    def encoded_nbytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def encode(
-        self, values: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> None:
-        target = values.to(torch.float32) + (0 if residual is None else residual)
-        half = target.to(torch.float16)
-        out.view(torch.float16).copy_(half)
-        if residual is not None:
-            residual.copy_(target - half.to(torch.float32))
-
-    def decode(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(encoded.view(torch.float16))
 
 
 def _half(x: torch.Tensor) -> torch.Tensor:

@@ -20,31 +20,10 @@ from shard_comms import count_collectives
 from shard_runtime import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard
 from shard_runtime._state import get_state
 from shard_testing import RankPool
+from shard_testing.codecs import HalfCodec
 from shard_testing.compat import cpu_mesh
 
 WIDTH = 8
-
-
-class HalfCodec:
-    """Sends float16 (2 bytes a value); the residual is what float16 rounding lost."""
-
-    def encoded_nbytes(self, numel: int) -> int:
-        return 2 * numel
-
-    def encode(
-        self, values: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> None:
-        target = values.to(torch.float32) + (0 if residual is None else residual)
-        half = target.to(torch.float16)
-        out.view(torch.float16).copy_(half)
-        if residual is not None:
-            residual.copy_(target - half.to(torch.float32))
-
-    def decode(self, encoded: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(encoded.view(torch.float16))
-
-    def __repr__(self) -> str:
-        return "HalfCodec()"
 
 
 def _model() -> nn.Sequential:

@@ -9,6 +9,7 @@ compared with an uninterrupted run's.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,15 @@ from torch import nn
 
 from shard_testing.models import DIM_IN, DIM_OUT
 
-__all__ = ["ROWS", "STEPS", "Result", "assert_resumed", "resume_batches", "train_step"]
+__all__ = [
+    "ROWS",
+    "STEPS",
+    "Result",
+    "assert_bitwise_equal",
+    "assert_resumed",
+    "resume_batches",
+    "train_step",
+]
 
 ROWS = 12
 STEPS = 3
@@ -59,6 +68,26 @@ def assert_resumed(resumed: Result, reference: Result, *, exact: bool) -> None:
         torch.testing.assert_close(losses, ref_losses[-1:])
         for key, value in ref_params.items():
             torch.testing.assert_close(params[key], value, msg=functools.partial(_named, key))
+
+
+def assert_bitwise_equal(got: Any, want: Any, where: str = "") -> None:
+    """``got`` holds what ``want`` holds, tensors bit for bit, through nested dicts and lists.
+
+    Dict keys compare as sets; the failing assertion names the path to the
+    first difference (``.model.embed.weight``, ``[2]``).
+    """
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for key in want:
+            assert_bitwise_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for index, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_bitwise_equal(a, b, f"{where}[{index}]")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where
 
 
 def _named(key: str, message: str) -> str:
