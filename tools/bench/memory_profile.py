@@ -77,6 +77,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import FLAT_IMPLS, FSDP_IMPLS, PAIRS, _wrap
+from soak import MallInfo2
 from spawn import run_ranks
 
 from shard_cli.gpt import GPT, Block, GPTConfig, synthetic_tokens
@@ -94,31 +95,13 @@ Point = tuple[int, str, int, int, int]  # step, label, rss, heap in use, heap fr
 # ---------------------------------------------------------------------- readings
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
 def _heap_reader() -> Callable[[], tuple[int, int]]:
     """``mallinfo2()`` as (bytes in use, bytes free), or zeros without glibc."""
     try:
         call = ctypes.CDLL(None).mallinfo2
     except (OSError, AttributeError):
         return lambda: (0, 0)
-    call.restype = _MallInfo2
+    call.restype = MallInfo2
 
     def read() -> tuple[int, int]:
         info = call()

@@ -128,7 +128,9 @@ def _rss() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-class _MallInfo2(ctypes.Structure):
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (also read by ``memory_profile.py``)."""
+
     _fields_ = [
         (name, ctypes.c_size_t)
         for name in (
@@ -153,7 +155,7 @@ def _mallinfo2() -> Callable[[], int] | None:
         call = libc.mallinfo2
     except (OSError, AttributeError):
         return None
-    call.restype = _MallInfo2
+    call.restype = MallInfo2
 
     def heap() -> int:
         info = call()
