@@ -16,7 +16,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.device_mesh import init_device_mesh
@@ -143,6 +145,12 @@ def test_async_save_holds_the_values_at_the_call(
         "__1_0.distcp",
     ]
     assert verify_checkpoint(tmp_path / "async").files == 3
+    # The staged copy keeps every tensor's dtype, shape, requires_grad and sharding: the
+    # checkpoint's metadata is the blocking save's.
+    assert (
+        FileSystemReader(str(tmp_path / "async")).read_metadata().state_dict_metadata
+        == FileSystemReader(str(tmp_path / "blocking")).read_metadata().state_dict_metadata
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -245,6 +253,43 @@ def test_then_runs_once_the_checkpoint_is_in_place(tmp_path: Path) -> None:
     )
     handle.result()
     assert seen == [(tmp_path / "ckpt", True)]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_the_writer_runs_at_idle_priority_until_something_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a save is written the writer thread is SCHED_IDLE and the GIL switch interval
+    short; result() gives the writer the normal priority; the interval is restored after."""
+    before = sys.getswitchinterval()
+    gated = _GatedWriter(monkeypatch)
+    handle = async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "a")
+    _wait_for(lambda: gated.log == ["start a"])
+    [writer] = [t for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+    assert writer.native_id is not None
+    assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+    assert sys.getswitchinterval() == pytest.approx(0.0002)
+    waiter = threading.Thread(target=handle.result)
+    waiter.start()
+    _wait_for(lambda: os.sched_getscheduler(writer.native_id or 0) == os.SCHED_OTHER)
+    gated.gate.set()
+    waiter.join(timeout=30)
+    assert handle.done()
+    assert sys.getswitchinterval() == before
+    # The next save goes back to idle priority.
+    gated.gate.clear()
+    second = async_save({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "b")
+    _wait_for(lambda: gated.log[-1] == "start b")
+    assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
+    gated.gate.set()
+    second.result()
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_close_ends_the_writer_thread_and_a_later_save_starts_one(tmp_path: Path) -> None:
