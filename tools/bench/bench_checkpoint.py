@@ -14,7 +14,7 @@ default: the ``small`` preset GPT (3 blocks of width 128, ~0.6 M parameters,
   (the dependency) and ``xxhash.xxh3_64`` (if installed) over buffers of the
   sizes a rank writes for this model (each tensor shard, and a whole rank's
   file), and over 4 and 64 MiB; best of 5, one process.
-- ``overhead``: per round, in ABAB order, the wall time of ``save`` as
+- ``overhead``: per round, in an order rotated by one each round, the wall time of ``save`` as
   shard-checkpoint does it, of the same ``save`` through DCP's plain
   ``FileSystemWriter`` (no checksums: same staging and rename), of ``save``
   with ``verify=True``, and of PyTorch's ``dcp.save``; then ``load`` (every
@@ -200,6 +200,18 @@ def _timed_collective(work: Callable[[], object]) -> tuple[float, float]:
     return _slowest(wall), _slowest(cpu)
 
 
+def _rotated(names: list[str], index: int) -> list[str]:
+    """Round ``index``'s order: each name takes each place equally often over the rounds.
+
+    The first save of a round follows the previous round's clean-up and the
+    last follows the loads' reads; an order that only alternated (ABCD, DCBA)
+    kept one save first or last every round and charged it those effects
+    (checksums looked 7-12% dearer than the same saves timed side by side).
+    """
+    shift = index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def _overhead_rank(rank: int, queue: Any, world: int, port: int, rounds: int, root: str) -> None:
     _init(rank, world, port)
     model, optim = _model()
@@ -222,12 +234,11 @@ def _overhead_rank(rank: int, queue: Any, world: int, port: int, rounds: int, ro
     }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in [*saves, *loads]}
     for index in range(rounds):
-        order = list(saves) if index % 2 == 0 else list(reversed(saves))
-        for name in order:
+        for name in _rotated(list(saves), index):
             path = f"{root}/{name.replace(' ', '_').replace(',', '')}-{index}"
             times[name].append(_timed_collective(lambda f=saves[name], p=path: f(p)))
         written = f"{root}/save_checksums-{index}"
-        for name in list(loads) if index % 2 == 0 else list(reversed(loads)):
+        for name in _rotated(list(loads), index):
             times[name].append(_timed_collective(lambda f=loads[name], p=written: f(p)))
         dist.barrier()
         if rank == 0:
@@ -360,7 +371,11 @@ def bench_async(world: int, steps: int, every: int, warmup: int) -> None:
     def after_warmup(step_index: int) -> bool:
         return step_index % steps >= warmup
 
-    plain = statistics.median(t for i, t in enumerate(results["none"]["steps"]) if after_warmup(i))
+    def kept_steps(mode: str) -> list[float]:
+        return [t for i, t in enumerate(results[mode]["steps"]) if after_warmup(i)]
+
+    plain = statistics.median(kept_steps("none"))
+    plain_mean = statistics.mean(kept_steps("none"))
     blocking_saves = [
         results["blocking"]["steps"][flight[0]]
         for flight in results["blocking"]["saving"]
@@ -373,22 +388,37 @@ def bench_async(world: int, steps: int, every: int, warmup: int) -> None:
         f"\nstep time, {world} ranks, {steps} steps x 2 runs per mode, a save every {every} "
         f"steps (model + AdamW), first {warmup} steps of a run left out (ms)"
     )
-    print(f"  no save: median step                       {plain * 1e3:9.2f}")
+    print(
+        f"  no save: median step                       {plain * 1e3:9.2f}"
+        f"  (mean {plain_mean * 1e3:.2f})"
+    )
     blocking = statistics.median(blocking_saves)
     print(
         f"  blocking save: median saving step          {blocking * 1e3:9.2f}"
-        f"  ({blocking / plain:.2f}x)"
+        f"  ({blocking / plain:.2f}x; adds {(blocking - plain) * 1e3:.1f} per save)"
     )
     mean_while = statistics.mean(while_saving)
+    median_while = statistics.median(while_saving)
+    added = (sum(while_saving) - len(while_saving) * plain_mean) / len(async_flights)
     print(
         f"  async save: mean step while saving         {mean_while * 1e3:9.2f}"
-        f"  ({mean_while / plain:.2f}x; {len(while_saving)} steps over {len(async_flights)} saves,"
-        f" {statistics.mean(len(f) for f in async_flights):.1f} steps per save)"
+        f"  ({mean_while / plain_mean:.2f}x the mean without saves;"
+        f" median {median_while * 1e3:.2f}, {median_while / plain:.2f}x)"
+    )
+    print(
+        f"    {len(while_saving)} steps over {len(async_flights)} saves,"
+        f" {statistics.mean(len(f) for f in async_flights):.1f} steps per save;"
+        f" adds {added * 1e3:.1f} per save in all"
     )
     staging = statistics.median(results["async"]["blocked"])
     print(
         f"  async save: median step that called it     {statistics.median(calling) * 1e3:9.2f}"
         f"  (of which async_save blocked {staging * 1e3:.2f})"
+    )
+    print(
+        f"  mean step over the whole run: no save {plain_mean * 1e3:.2f}, blocking"
+        f" {statistics.mean(kept_steps('blocking')) * 1e3:.2f},"
+        f" async {statistics.mean(kept_steps('async')) * 1e3:.2f}"
     )
 
 
@@ -396,7 +426,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default="checksums,overhead,async")
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=60, help="overhead: rounds (ABAB)")
+    parser.add_argument(
+        "--rounds", type=int, default=60, help="overhead: rounds (order rotated each round)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="async: steps per run")
     parser.add_argument("--every", type=int, default=10, help="async: save every N steps")
     parser.add_argument("--warmup", type=int, default=3, help="async: steps left out per run")
