@@ -62,6 +62,8 @@ class FaultConfig:
     batch: int = 4
     seq: int = 32
     ckpt_every: int = 25
+    # shard train --async-checkpoint: kills then also land while a save is written.
+    async_checkpoint: bool = False
     # Seconds between kills: uniform in [min_interval, 2 * mean_interval - min_interval].
     mean_interval: float = 90.0
     min_interval: float = 15.0
@@ -163,6 +165,7 @@ def _train_command(cfg: FaultConfig, data: Path, run_dir: Path, steps: int) -> l
         str(data),
         "--run-dir",
         str(run_dir),
+        *(["--async-checkpoint"] if cfg.async_checkpoint else []),
     ]
 
 
@@ -233,7 +236,8 @@ def summary_lines(report: FaultReport) -> list[str]:
     lost = report.steps_lost
     lines = [
         f"fault soak: preset {cfg['preset']}, {cfg['world_size']} ranks (gloo, cpu), batch "
-        f"{cfg['batch']}x{cfg['seq']}, checkpoint every {cfg['ckpt_every']}, seed "
+        f"{cfg['batch']}x{cfg['seq']}, checkpoint every {cfg['ckpt_every']}"
+        f"{' (async)' if cfg.get('async_checkpoint') else ''}, seed "
         f"{cfg['seed']}; {report.wall_s / 60:.1f} min of training, {report.steps} steps",
         f"kills: {len(kills)} ("
         + ", ".join(f"rank {r}: {n}" for r, n in by_rank.items())
@@ -378,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--seq", type=int, default=d.seq)
     p.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    p.add_argument(
+        "--async-checkpoint", action="store_true", help="save in the background (shard train's)"
+    )
     p.add_argument("--mean-interval", type=float, default=d.mean_interval, help="s between kills")
     p.add_argument("--min-interval", type=float, default=d.min_interval, help="s between kills")
     p.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
@@ -393,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=a.batch,
         seq=a.seq,
         ckpt_every=a.ckpt_every,
+        async_checkpoint=a.async_checkpoint,
         mean_interval=a.mean_interval,
         min_interval=a.min_interval,
     )
