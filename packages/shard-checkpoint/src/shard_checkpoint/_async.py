@@ -16,7 +16,10 @@ waits for it and raises its error.
   so on a machine whose cores training fills, a save takes longer instead of
   slowing the steps. Once something waits for the save (``result()``, the
   next save, ``close_async_saves``), the writer gets the normal priority
-  back: training never waits on a starved writer. While it runs, the
+  back where Linux allows it (leaving ``SCHED_IDLE`` takes CAP_SYS_NICE or
+  an ``RLIMIT_NICE`` that allows nice 0; many systems' default of 0 does
+  not): elsewhere it keeps idle priority and runs on the core the waiting
+  thread leaves idle, starved only by other processes that fill every core. While it runs, the
   interpreter's switch interval is 0.2 ms instead of 5 ms (restored after),
   so a training thread waiting for the GIL the writer holds gets it back
   sooner. On ``shard train``'s demo model (2 gloo ranks on 2 cores,
@@ -254,8 +257,9 @@ def _set_policy(thread: int, name: str) -> None:
     policy = getattr(os, name, None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return
-    # Refused (an unprivileged thread may not leave SCHED_IDLE under a strict RLIMIT_NICE) or
-    # the thread is gone: the priority stays as it was, which only changes how long a save takes.
+    # Refused (see the Note: an unprivileged thread may not leave SCHED_IDLE under RLIMIT_NICE 0)
+    # or the thread is gone: the priority stays as it was, which only changes how long a save
+    # takes.
     with contextlib.suppress(OSError):
         os.sched_setscheduler(thread, policy, os.sched_param(0))
 
