@@ -11,6 +11,7 @@ real process killed while its background thread writes.
 from __future__ import annotations
 
 import copy
+import io
 import os
 import subprocess
 import sys
@@ -253,6 +254,21 @@ def test_then_runs_once_the_checkpoint_is_in_place(tmp_path: Path) -> None:
     )
     handle.result()
     assert seen == [(tmp_path / "ckpt", True)]
+
+
+def test_a_state_dict_with_other_leaves_is_copied_by_dcps_stager(tmp_path: Path) -> None:
+    """A leaf StagingBuffers leaves alone (a BytesIO) sends the whole copy to DefaultStager:
+    the values at the call are saved all the same."""
+    weight = torch.ones(3)
+    handle = async_save(
+        {"w": weight, "blob": io.BytesIO(b"at the call")}, checkpoint_id=tmp_path / "ckpt"
+    )
+    weight.add_(1)
+    handle.result()
+    state = {"w": torch.empty(3), "blob": io.BytesIO()}
+    load(state, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(state["w"], torch.ones(3))
+    assert state["blob"].getvalue() == b"at the call"
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
