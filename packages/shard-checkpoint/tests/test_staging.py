@@ -12,6 +12,7 @@ import io
 from collections import OrderedDict
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -121,3 +122,16 @@ def test_dtensors_keep_their_layout(rank_pool: RankPool) -> None:
     results = rank_pool.run(_staged_sharded_state, 2)
     assert [r["checked"] for r in results] == [results[0]["checked"]] * 2
     assert results[0]["checked"] > 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_accelerator_tensors_are_copied_to_pinned_cpu_memory() -> None:
+    """With an accelerator: pinned CPU copies, copied without blocking and waited for once."""
+    buffers = StagingBuffers(pin_memory=True)
+    weight = torch.randn(1024, 1024, device="cuda")
+    staged = buffers.stage({"w": weight})
+    assert staged is not None
+    assert staged["w"].device.type == "cpu"
+    assert staged["w"].is_pinned()
+    assert torch.equal(staged["w"], weight.cpu())
