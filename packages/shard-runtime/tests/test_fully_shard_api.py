@@ -100,6 +100,12 @@ def _errors() -> dict[str, str]:
     tied[1].weight = tied[0].weight
     fully_shard(tied[0], mesh=mesh)
     fully_shard(tied, mesh=mesh)  # accepted, as in PyTorch: the first forward refuses
+    # An embedding tied to a sibling's head: the other unit is outside the second call.
+    siblings = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
+    siblings[1].weight = siblings[0].weight
+    fully_shard(siblings[0], mesh=mesh)
+    fully_shard(siblings[1], mesh=mesh)
+    fully_shard(siblings, mesh=mesh)
     child_first = nn.Sequential(nn.Linear(2, 2))
     fully_shard(child_first[0], mesh=mesh)
     fully_shard(child_first, mesh=mesh)
@@ -111,6 +117,7 @@ def _errors() -> dict[str, str]:
         "strided": _error(lambda: fully_shard(_Strided(), mesh=mesh)),
         "shared": _error(lambda: fully_shard(b, mesh=mesh)),
         "tied": _error(lambda: tied(torch.ones(1, 3))),
+        "tied_siblings": _error(lambda: siblings(torch.zeros(1, 2, dtype=torch.long))),
         "mesh3d": _error(
             lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (1, 1, 1)))
         ),
@@ -153,6 +160,13 @@ def test_errors_name_the_culprit(rank_pool: RankPool) -> None:
         "already managed by another FSDP group, the unit of Linear ('0'); a parameter shared by "
         "two units must be in one unit: pass the modules that share it as a list to one "
         "fully_shard call"
+    )
+    # Named by its path under the root, found at the first forward (at the call, only its class
+    # was known).
+    assert errors["tied_siblings"].startswith(
+        "ValueError: fully_shard(Linear): parameter 'weight' is shared with a parameter already "
+        "managed by another FSDP group, the unit of Embedding ('0'); a parameter shared by two "
+        "units must be in one unit"
     )
     assert errors["mesh3d"].startswith("ValueError: fully_shard: mesh must be 1-D (shard) or 2-D")
     assert errors["mesh2d_unnamed"].startswith(

@@ -654,7 +654,7 @@ def fully_shard(
     managed = {
         id(p) for s in states_in(modules) for u in s.units for p in u.layout.registered_params()
     }
-    shared_elsewhere: list[ValueError] = []
+    shared_elsewhere: list[tuple[str, Unit]] = []
     params = _collect_params(modules, managed, ignored_params or set(), label, shared_elsewhere)
     compute_device = _compute_device(mesh)
     # See [Note: one unit per process group] in _mesh_groups.py.
@@ -686,7 +686,9 @@ def fully_shard(
         units.append(unit)
     state = UnitState(modules, units, rules=FULLY_SHARD_RULES, mp_policy=mp_policy)
     # See [Note: a weight tied across two calls].
-    state.lazy_init_errors.extend(shared_elsewhere)
+    state.lazy_init_errors.extend(
+        functools.partial(_tied_across_calls, label, fqn, other) for fqn, other in shared_elsewhere
+    )
     for unit in units:
         unit.reshard()
     mark_managed_modules(modules)  # See [Note: torch.compile] in _compile.py.
@@ -924,12 +926,13 @@ def _collect_params(
     managed: set[int],
     ignored: set[nn.Parameter],
     label: str,
-    shared_elsewhere: list[ValueError],
+    shared_elsewhere: list[tuple[str, Unit]],
 ) -> list[OwnedParam]:
     """Parameters of ``modules`` not managed by an inner unit, with every owner, in order.
 
     A plain parameter another call already shards (a weight tied across two
-    calls) adds its error to ``shared_elsewhere``, raised at the first forward.
+    calls) adds its name and that call's unit to ``shared_elsewhere``: refused
+    at the first forward (:func:`_tied_across_calls`).
     """
     params = owned_params(
         modules,
@@ -941,42 +944,59 @@ def _collect_params(
     return params
 
 
+_ONE_UNIT_FIX = (
+    "a parameter shared by two units must be in one unit: pass the modules that share it as a "
+    "list to one fully_shard call"
+)
+
+
+def _unit_of(unit: Unit, modules: list[nn.Module]) -> str:
+    """``unit`` as an error names it: its module's class and path under ``modules``.
+
+    A unit outside ``modules`` is named by its label (its class, until a
+    root's first forward names it by path).
+    """
+    return next(
+        (
+            f"{s.class_name} ({name!r})"
+            for top in modules
+            for name, m in top.named_modules()
+            if (s := get_state(m)) is not None and unit in s.units
+        ),
+        unit.label,
+    )
+
+
+def _tied_across_calls(label: str, fqn: str, other: Unit, root: UnitState) -> ValueError:
+    """The root's first-forward error for a parameter ``other``'s call already shards.
+
+    Made then, not at the call, so that a unit outside the call's modules (a
+    sibling's) is named by its path under ``root``.
+    """
+    return ValueError(
+        f"fully_shard({label}): parameter {fqn!r} is shared with a parameter already managed "
+        f"by another FSDP group, the unit of {_unit_of(other, root.modules)}; {_ONE_UNIT_FIX} "
+        "(fully_shard([module_a, module_b]))"
+    )
+
+
 def _check_param(
     fqn: str,
     param: nn.Parameter,
     label: str,
     modules: list[nn.Module],
-    shared_elsewhere: list[ValueError],
+    shared_elsewhere: list[tuple[str, Unit]],
 ) -> None:
     other = getattr(param, _SHARDED_BY_ATTR, None)
     if isinstance(other, Unit):
-        where = next(
-            (
-                f"{s.class_name} ({name!r})"
-                for top in modules
-                for name, m in top.named_modules()
-                if (s := get_state(m)) is not None and other in s.units
-            ),
-            other.label,
-        )
-        fix = (
-            "a parameter shared by two units must be in one unit: pass the modules that share "
-            "it as a list to one fully_shard call"
-        )
         if isinstance(param, DTensor):
             # A module shared by two calls: its parameter is the other unit's sharded
             # DTensor, which PyTorch refuses with a TypeError.
             raise TypeError(
                 f"fully_shard({label}): parameter {fqn!r} is already sharded by the unit of "
-                f"{where}; {fix}"
+                f"{_unit_of(other, modules)}; {_ONE_UNIT_FIX}"
             )
-        shared_elsewhere.append(
-            ValueError(
-                f"fully_shard({label}): parameter {fqn!r} is shared with a parameter already "
-                f"managed by another FSDP group, the unit of {where}; {fix} "
-                "(fully_shard([module_a, module_b]))"
-            )
-        )
+        shared_elsewhere.append((fqn, other))
         return
     # A DTensor parameter not sharded by a unit is split by tensor (or expert)
     # parallelism, or distributed over the whole mesh for dp_mesh_dims; whether

@@ -192,7 +192,8 @@ class UnitState:
         # Raised by the root's lazy init, first forward: errors the front end found when the
         # state was built but PyTorch reports there (see [Note: a weight tied across two
         # calls] in _fully_shard.py).
-        self.lazy_init_errors: list[Exception] = []
+        # Each is called with the root.
+        self.lazy_init_errors: list[Callable[[UnitState], Exception]] = []
         # - root only; see [Note: the root]
         self.all_states: list[UnitState] = []
         self.post_forward_order: list[UnitState] = []
@@ -299,7 +300,7 @@ class UnitState:
             )
         for state in states:
             if state.lazy_init_errors:
-                raise state.lazy_init_errors[0]
+                raise state.lazy_init_errors[0](self)
         for state in states:
             state.adopt_replaced_params()
         self.all_states = states
