@@ -305,6 +305,30 @@ def test_the_writer_runs_at_idle_priority_until_something_waits_for_it(
     second.result()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_a_save_waited_for_before_it_starts_is_written_at_normal_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """result() called at once (before the writer thread picks the save up) is not undone by
+    the writer then lowering its own priority."""
+    if not _may_leave_idle_priority():
+        pytest.skip("this process may not leave SCHED_IDLE (RLIMIT_NICE)")
+    gated = _GatedWriter(monkeypatch)
+    gated.gate.set()
+    async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "a").result()  # the thread exists
+    for name in ("b", "c", "d"):
+        gated.gate.clear()
+        handle = async_save({"w": torch.zeros(2)}, checkpoint_id=tmp_path / name)
+        waiter = threading.Thread(target=handle.result)
+        waiter.start()
+        _wait_for(lambda n=name: gated.log[-1] == f"start {n}")
+        [writer] = [t for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+        assert os.sched_getscheduler(writer.native_id or 0) == os.SCHED_OTHER, name
+        gated.gate.set()
+        waiter.join(timeout=30)
+        assert handle.done()
+
+
 def _may_leave_idle_priority() -> bool:
     """Whether a thread of this process may go from SCHED_IDLE back to SCHED_OTHER."""
     allowed: list[bool] = []

@@ -83,11 +83,16 @@ class AsyncSave:
     """
 
     def __init__(
-        self, checkpoint_id: Path, future: concurrent.futures.Future[Metadata], blocked_s: float
+        self,
+        checkpoint_id: Path,
+        future: concurrent.futures.Future[Metadata],
+        blocked_s: float,
+        hurry: Callable[[], None],
     ) -> None:
         self.checkpoint_id = checkpoint_id
         self.blocked_s = blocked_s
         self._future = future
+        self._hurry = hurry
 
     def done(self) -> bool:
         """Whether the save has finished (written and in place, or failed)."""
@@ -102,7 +107,7 @@ class AsyncSave:
             TimeoutError: not finished within ``timeout`` seconds.
         """
         if not self._future.done():
-            _hurry()
+            self._hurry()
         try:
             return self._future.result(timeout)
         finally:
@@ -120,8 +125,10 @@ _writer: concurrent.futures.ThreadPoolExecutor | None = None
 _stager_lock = threading.Lock()
 _buffers: StagingBuffers | None = None
 _stager: DefaultStager | None = None
-# The writer's thread id (for its scheduling policy), once it has run a save.
+# The writer's thread id, once it has run a save, and the lock under which a save's writer and
+# whoever waits for it set its scheduling policy (see [Note: asynchronous saves]).
 _writer_thread: int | None = None
+_priority_lock = threading.Lock()
 # The default group the background group was made for, and that group.
 _background: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None
 
@@ -166,8 +173,19 @@ def async_save(
     group = _background_group(process_group)
     staged = _stage(dict(state_dict))
 
+    hurried = threading.Event()
+
+    def hurry() -> None:
+        with _priority_lock:
+            hurried.set()
+            if _writer_thread is not None:
+                _set_policy(_writer_thread, "SCHED_OTHER")
+
     def write() -> Metadata:
-        _run_when_idle()
+        global _writer_thread
+        with _priority_lock:  # waited for before it started: normal priority from the start
+            _writer_thread = threading.get_native_id()
+            _set_policy(_writer_thread, "SCHED_OTHER" if hurried.is_set() else "SCHED_IDLE")
         with _yielding_gil():
             metadata = save_now(staged, checkpoint_id=path, process_group=group, verify=verify)
             if then is not None:
@@ -180,8 +198,8 @@ def async_save(
             max_workers=1, thread_name_prefix="shard-ckpt"
         )
     future = _writer.submit(write)
-    _pending.track(future, _hurry)
-    return AsyncSave(path, future, time.perf_counter() - started)
+    _pending.track(future, hurry)
+    return AsyncSave(path, future, time.perf_counter() - started, hurry)
 
 
 def close_async_saves() -> None:
@@ -236,24 +254,8 @@ def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:
     return fallback
 
 
-def _run_when_idle() -> None:
-    """Give the calling thread (the writer) a core only when nothing else wants it.
-
-    Linux's ``SCHED_IDLE`` applies to the one thread; elsewhere, or where it is
-    refused, the writer keeps the normal priority. :func:`_hurry` undoes it.
-    """
-    global _writer_thread
-    _writer_thread = threading.get_native_id()
-    _set_policy(_writer_thread, "SCHED_IDLE")
-
-
-def _hurry() -> None:
-    """The save in flight is being waited for: its writer gets the normal priority back."""
-    if _writer_thread is not None:
-        _set_policy(_writer_thread, "SCHED_OTHER")
-
-
 def _set_policy(thread: int, name: str) -> None:
+    """Put ``thread`` under Linux's scheduling policy ``name``, where the platform has it."""
     policy = getattr(os, name, None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return
