@@ -13,7 +13,10 @@ local tensors into them: ``Tensor.copy_`` on plain tensors.
 A state dict with anything else among its leaves (a ``Stateful``, a
 ``ShardedTensor``, a DTensor whose local tensor is itself a subclass, such as
 torchao's) is left to ``DefaultStager``, whole: what it copies correctly is
-not second-guessed here.
+not second-guessed here. The copies made before such a leaf was found are
+dropped, and later calls are refused at once: the saves of one run share a
+layout, and each refused call would otherwise copy (and keep) the tensors
+before that leaf again, beside ``DefaultStager``'s own copy.
 """
 
 from __future__ import annotations
@@ -51,16 +54,21 @@ class StagingBuffers:
     def __init__(self, *, pin_memory: bool) -> None:
         self._pin_memory = pin_memory
         self._kept: dict[tuple[Any, ...], tuple[_Signature, torch.Tensor, torch.Tensor]] = {}
+        self._refused = False
 
     def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any] | None:
         """A copy of ``state_dict`` whose tensors live in the kept CPU memory.
 
-        Returns ``None`` (and keeps nothing new) when a leaf is of a kind this
-        class leaves to ``DefaultStager``; see the module docstring.
+        Returns ``None``, keeping nothing, when a leaf is of a kind this class
+        leaves to ``DefaultStager``, and from then on; see the module docstring.
         """
+        if self._refused:
+            return None
         try:
             staged = self._copy(dict(state_dict), ())
         except _Unsupported:
+            self._refused = True
+            self._kept.clear()
             return None
         if self._pin_memory:
             torch.accelerator.synchronize()
@@ -70,10 +78,6 @@ class StagingBuffers:
     def nbytes(self) -> int:
         """Bytes of CPU memory the kept copies hold."""
         return sum(buffer.nbytes for _, buffer, _ in self._kept.values())
-
-    def clear(self) -> None:
-        """Drop the kept copies."""
-        self._kept.clear()
 
     def _copy(self, value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -88,14 +92,11 @@ class StagingBuffers:
 
     def _copy_tensor(self, tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         spec: DTensorSpec | None
-        if type(tensor) is DTensor:
-            local = tensor._local_tensor
-            spec = tensor._spec
-        elif type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
+        if type(tensor) is DTensor and _plain(tensor._local_tensor):
+            local, spec = tensor._local_tensor, tensor._spec
+        elif _plain(tensor):
             local, spec = tensor, None
         else:
-            raise _Unsupported(path)
-        if type(local) is not torch.Tensor and type(local) is not torch.nn.Parameter:
             raise _Unsupported(path)
         signature: _Signature = (
             local.dtype,
@@ -123,3 +124,8 @@ class StagingBuffers:
         with torch.no_grad():
             buffer.copy_(local, non_blocking=self._pin_memory)
         return staged
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A tensor of torch's own class (or a parameter of it), not a subclass."""
+    return type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
