@@ -19,10 +19,10 @@ waits for it and raises its error.
   back where Linux allows it (leaving ``SCHED_IDLE`` takes CAP_SYS_NICE or
   an ``RLIMIT_NICE`` that allows nice 0; many systems' default of 0 does
   not): elsewhere it keeps idle priority and runs on the core the waiting
-  thread leaves idle, starved only by other processes that fill every core. While it runs, the
-  interpreter's switch interval is 0.2 ms instead of 5 ms (restored after),
-  so a training thread waiting for the GIL the writer holds gets it back
-  sooner. On ``shard train``'s demo model (2 gloo ranks on 2 cores,
+  thread leaves idle, starved only by other processes that fill every
+  core. While it runs, the interpreter's switch interval is 0.2 ms instead
+  of 5 ms (restored after), so a training thread waiting for the GIL the
+  writer holds gets it back sooner. On ``shard train``'s demo model (2 gloo ranks on 2 cores,
   ``tools/bench/bench_checkpoint.py --parts async``) this took the steps
   while a save is in flight from 1.6x the step without a save to
   1.06-1.09x.
