@@ -281,7 +281,7 @@ def test_the_writer_runs_at_idle_priority_until_something_waits_for_it(
     gated = _GatedWriter(monkeypatch)
     handle = async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "a")
     _wait_for(lambda: gated.log == ["start a"])
-    [writer] = [t for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+    [writer] = _writer_threads()
     assert writer.native_id is not None
     assert os.sched_getscheduler(writer.native_id) == os.SCHED_IDLE
     assert sys.getswitchinterval() == pytest.approx(0.0002)
@@ -322,7 +322,7 @@ def test_a_save_waited_for_before_it_starts_is_written_at_normal_priority(
         waiter = threading.Thread(target=handle.result)
         waiter.start()
         _wait_for(lambda n=name: gated.log[-1] == f"start {n}")
-        [writer] = [t for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+        [writer] = _writer_threads()
         assert os.sched_getscheduler(writer.native_id or 0) == os.SCHED_OTHER, name
         gated.gate.set()
         waiter.join(timeout=30)
@@ -347,6 +347,11 @@ def _may_leave_idle_priority() -> bool:
     return allowed == [True]
 
 
+def _writer_threads() -> list[threading.Thread]:
+    """The background saves' writer threads alive now."""
+    return [t for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
+
+
 def _wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -357,15 +362,12 @@ def _wait_for(condition: Callable[[], bool], timeout: float = 30) -> None:
 def test_close_ends_the_writer_thread_and_a_later_save_starts_one(tmp_path: Path) -> None:
     """Nothing of the background saves outlives close_async_saves; the next save works."""
 
-    def writers() -> list[str]:
-        return [t.name for t in threading.enumerate() if t.name.startswith("shard-ckpt")]
-
     async_save({"w": torch.ones(2)}, checkpoint_id=tmp_path / "a").result()
-    assert len(writers()) == 1
+    assert len(_writer_threads()) == 1
     close_async_saves()
-    assert writers() == []
+    assert _writer_threads() == []
     async_save({"w": torch.zeros(2)}, checkpoint_id=tmp_path / "b").result()
-    assert len(writers()) == 1
+    assert len(_writer_threads()) == 1
     assert torch.equal(_loaded_plain(tmp_path / "b"), torch.zeros(2))
 
 
