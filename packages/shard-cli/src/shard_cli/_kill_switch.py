@@ -9,7 +9,7 @@ step ``STEP``) or ``RANK:STEP:PHASE``, ``PHASE`` one of:
 - ``start``: before the step draws its batch;
 - ``forward``: in forward, once the first block has run (shard's GPT; the
   whole model's forward otherwise);
-- ``backward``: at the start of backward (the gradient of the logits);
+- ``backward``: at the start of backward (the gradient of the loss);
 - ``optimizer``: after backward, before AdamW's step;
 - ``save``: after the step, before the checkpoint due then (none due: no kill).
 
@@ -20,13 +20,16 @@ the restart rank 1 in step 7's optimizer step.
 Each point is one where the dying rank has no collective in flight: the
 forward one after the first block's all-gather was waited for and before the
 next block's starts (shard's forward does not prefetch by default); the
-backward one before any backward collective; the optimizer one after the end
-of backward has waited for every reduce-scatter; the save one after the
-loss's all-reduce. So the others fail in the same collective on every run
-(the next block's forward all-gather, the last block's backward all-gather,
-the loss's all-reduce at the end of the step, the save's first collective),
-and a test can assert their messages exactly. Standard output and error are
-flushed first: SIGKILL drops whatever a buffer holds.
+backward one before any backward collective (on the loss, not the logits: the
+root unit's pre-backward hook on the logits, registered in forward and so run
+first, already issues the last block's all-gather as a prefetch, and whether
+the survivor then completes it was a race); the optimizer one after the end of
+backward has waited for every reduce-scatter; the save one after the loss's
+all-reduce. So the others fail in the same collective on every run (the next
+block's forward all-gather, the last block's backward all-gather, the loss's
+all-reduce at the end of the step, the save's first collective), and a test
+can assert their messages exactly. Standard output and error are flushed
+first: SIGKILL drops whatever a buffer holds.
 """
 
 from __future__ import annotations
@@ -120,8 +123,8 @@ class KillSwitch:
         target = blocks[0] if isinstance(blocks, nn.ModuleList) and len(blocks) else model
         target.register_forward_hook(lambda *_: self.at("forward"))
 
-    def watch_logits(self, logits: torch.Tensor) -> None:
-        """Hook the ``backward`` point onto the gradient of ``logits``."""
+    def watch_loss(self, loss: torch.Tensor) -> None:
+        """Hook the ``backward`` point onto the gradient of ``loss`` (backward's first)."""
         point = self.point
         if point is not None and point.phase == "backward" and point.step == self.step:
-            logits.register_hook(lambda grad: self.at("backward"))  # type: ignore[no-untyped-call]
+            loss.register_hook(lambda grad: self.at("backward"))  # type: ignore[no-untyped-call]

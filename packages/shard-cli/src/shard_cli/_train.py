@@ -627,8 +627,8 @@ class _Run:
             last = index == accum - 1
             with self._gradient_sync(last):
                 logits = self._logits(self.model, x)
-                self.kill.watch_logits(logits)
                 loss = F.cross_entropy(logits.float().reshape(-1, self.vocab_size), y.reshape(-1))
+                self.kill.watch_loss(loss)
                 (loss / accum if accum > 1 else loss).backward()  # type: ignore[no-untyped-call]
             total += loss.detach()
         max_norm = self.options.clip_grad_norm
