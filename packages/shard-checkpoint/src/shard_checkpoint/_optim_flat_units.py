@@ -105,6 +105,34 @@ def _not_elementwise(fqn: str, name: str, shape: tuple[int, ...]) -> StateDictEr
     )
 
 
+def _gathered_state(
+    unit: FlatUnit,
+    local: torch.Tensor,
+    fqns: list[str],
+    name: str,
+    wanted: set[str],
+    full: bool,
+    offload_to_cpu: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """State ``name`` of the ``wanted`` parameters, copied out of the unit's gathered buffer.
+
+    A collective over every parameter of the unit (``fqns``). The buffer dies
+    on return, before the next gather: a loop variable holding a view of it
+    kept it alive through that one.
+    """
+    fulls = gather_full(unit, local, label=f"optim_state_dict ({fqns[0]}.{name})")
+    return [
+        (
+            fqn,
+            value.to("cpu" if offload_to_cpu else value.device, copy=True)
+            if full
+            else chunk_of(value, unit, offload_to_cpu=offload_to_cpu),
+        )
+        for fqn, value in zip(fqns, fulls, strict=True)
+        if fqn in wanted
+    ]
+
+
 def unit_state_out(
     unit: FlatUnit,
     held: Mapping[int | None, Mapping[str, Any]],
@@ -124,16 +152,10 @@ def unit_state_out(
     values: dict[str, dict[str, torch.Tensor]] = {}
     for name, dtype in dtypes.items():
         local = _local_flat_state(unit, held, name, dtype)
-        fulls = gather_full(unit, local, label=f"optim_state_dict ({fqns[0]}.{name})")
-        for fqn, value in zip(fqns, fulls, strict=True):
-            if not keep or name not in skeleton.get(fqn, {}):
-                continue
-            values.setdefault(fqn, {})[name] = (
-                value.to("cpu" if offload_to_cpu else value.device, copy=True)
-                if full
-                else chunk_of(value, unit, offload_to_cpu=offload_to_cpu)
-            )
-        del fulls, local
+        wanted = {fqn for fqn in fqns if name in skeleton.get(fqn, {})} if keep else set()
+        for fqn, value in _gathered_state(unit, local, fqns, name, wanted, full, offload_to_cpu):
+            values.setdefault(fqn, {})[name] = value
+        del local
     if keep:
         for fqn in fqns:
             if fqn in skeleton:
