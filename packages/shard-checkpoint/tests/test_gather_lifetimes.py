@@ -26,8 +26,7 @@ import pytest
 import torch
 from torch import nn
 
-import shard_checkpoint._model as model_module
-import shard_checkpoint._optim_flat_units as optim_module
+import shard_checkpoint._flat as flat_module
 from shard_checkpoint import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from shard_runtime import FullyShardedDataParallel as FSDP
 from shard_runtime import ModuleWrapPolicy
@@ -66,16 +65,15 @@ def _count(kind: str, full: bool, cpu_offload: bool) -> tuple[int, int, int]:
     model(torch.ones(2, 32)).sum().backward()
     optim.step()
     options = StateDictOptions(full_state_dict=full, cpu_offload=cpu_offload)
-    module = model_module if kind == "model" else optim_module
-    watch = _Watch(module.gather_full)
-    module.gather_full = watch  # type: ignore[assignment]
+    watch = _Watch(flat_module.gather_full)
+    flat_module.gather_full = watch  # type: ignore[assignment]
     try:
         if kind == "model":
             entries = len(get_model_state_dict(model, options=options))
         else:
             entries = len(get_optimizer_state_dict(model, optim, options=options).get("state", {}))
     finally:
-        module.gather_full = watch._gather  # type: ignore[assignment]
+        flat_module.gather_full = watch._gather  # type: ignore[assignment]
     return watch.gathers, watch.overlapping, entries
 
 

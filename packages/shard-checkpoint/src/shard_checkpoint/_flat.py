@@ -16,12 +16,15 @@ parameter, under the unwrapped model's names. This module converts:
 [Note: one unit at a time]
 Every conversion handles one unit (and one optimizer state name) at a time
 and drops its full tensors before the next, so beyond its shards a rank
-holds at most one unit's full parameters.
+holds at most one unit's full parameters. Copying out of the gathered buffer
+happens inside :func:`gathered_copies`, so the buffer dies when it returns: a
+view of it kept in the caller's loop variable held it alive through the next
+unit's gather (``tests/test_gather_lifetimes.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -30,7 +33,15 @@ from shard_checkpoint._errors import StateDictError
 from shard_core import dim0_chunk_range
 from shard_runtime.plumbing import FlatUnit, contiguous_dtensor
 
-__all__ = ["FLAT_PARAM", "chunk_of", "flat_key", "gather_full", "local_flat", "write_shard"]
+__all__ = [
+    "FLAT_PARAM",
+    "chunk_of",
+    "flat_key",
+    "gather_full",
+    "gathered_copies",
+    "local_flat",
+    "write_shard",
+]
 
 FLAT_PARAM = "_flat_param"
 
@@ -64,6 +75,33 @@ def chunk_of(full: torch.Tensor, unit: FlatUnit, *, offload_to_cpu: bool) -> DTe
         local = local.cpu()
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     return contiguous_dtensor(local, mesh, placements, full.shape)
+
+
+def gathered_copies(
+    unit: FlatUnit,
+    local: torch.Tensor,
+    *,
+    label: str,
+    full: bool,
+    offload_to_cpu: bool,
+    wanted: Collection[int],
+) -> dict[int, torch.Tensor]:
+    """The ``wanted`` parameters' values (by index in the unit), copied out of its gathered buffer.
+
+    A collective over the unit's shard axis: every rank calls it, wanting
+    values or not. ``full``: each value is the full tensor (on the CPU with
+    ``offload_to_cpu``); else this rank's ``torch.chunk`` rows as a DTensor
+    (:func:`chunk_of`). See [Note: one unit at a time].
+    """
+    views = gather_full(unit, local, label=label)
+    return {
+        index: (
+            views[index].to("cpu" if offload_to_cpu else views[index].device, copy=True)
+            if full
+            else chunk_of(views[index], unit, offload_to_cpu=offload_to_cpu)
+        )
+        for index in wanted
+    }
 
 
 def local_flat(unit: FlatUnit, value: torch.Tensor, *, key: str) -> torch.Tensor:

@@ -53,9 +53,9 @@ from shard_checkpoint._dist import broadcast_object, broadcast_tensor, rank
 from shard_checkpoint._errors import StateDictError
 from shard_checkpoint._flat import (
     FLAT_PARAM,
-    chunk_of,
     flat_key,
     gather_full,
+    gathered_copies,
     local_flat,
     write_shard,
 )
@@ -412,7 +412,16 @@ def model_state_dict(
             out[flat_key(unit, names)] = _local_dtensor(unit, offload_to_cpu)
             continue
         params.update(key for param in unit.params for key in param.keys)
-        out.update(_gathered_unit(unit, kind, keep=keep, offload_to_cpu=offload_to_cpu))
+        values = gathered_copies(
+            unit,
+            unit.shard,
+            label=f"state_dict ({unit.params[0].keys[0]})",
+            full=kind is Kind.FULL,
+            offload_to_cpu=offload_to_cpu,
+            wanted=range(len(unit.params)) if keep else (),
+        )
+        for index, value in values.items():
+            out.update(dict.fromkeys(unit.params[index].keys, value))
     dtypes = original_buffer_dtypes(model)
     for key, value in plain_entries(model, units, keep_vars=False).items():
         if isinstance(value, torch.Tensor) and kind is Kind.FULL:
@@ -427,30 +436,6 @@ def model_state_dict(
         out[key] = value
     params.update(clean_fqn(n) for n, _ in model.named_parameters(remove_duplicate=False))
     return in_module_order(model, out, params)
-
-
-def _gathered_unit(
-    unit: FlatUnit, kind: Kind, *, keep: bool, offload_to_cpu: bool
-) -> dict[str, torch.Tensor]:
-    """The unit's FULL or SHARDED entries, copied out of its gathered buffer ({} unless ``keep``).
-
-    A collective. The buffer dies on return: kept in the caller's loop, a
-    view of it (the loop variable) would hold it through the next unit's
-    gather, two units' full parameters at once where one is promised.
-    """
-    fulls = gather_full(unit, unit.shard, label=f"state_dict ({unit.params[0].keys[0]})")
-    if not keep:
-        return {}
-    entries: dict[str, torch.Tensor] = {}
-    for param, full in zip(unit.params, fulls, strict=True):
-        value: torch.Tensor
-        if kind is Kind.FULL:
-            value = full.to("cpu" if offload_to_cpu else full.device, copy=True)
-        else:
-            value = chunk_of(full, unit, offload_to_cpu=offload_to_cpu)
-        for key in param.keys:
-            entries[key] = value
-    return entries
 
 
 def _local_dtensor(unit: FlatUnit, offload_to_cpu: bool) -> DTensor:

@@ -25,7 +25,7 @@ import torch
 
 from shard_checkpoint._dist import all_gather_objects
 from shard_checkpoint._errors import StateDictError
-from shard_checkpoint._flat import chunk_of, gather_full
+from shard_checkpoint._flat import gathered_copies
 from shard_checkpoint._model import TensorSpec
 from shard_checkpoint._optim_entries import Entry, States, all_entries
 from shard_checkpoint._tensors import full_value
@@ -105,34 +105,6 @@ def _not_elementwise(fqn: str, name: str, shape: tuple[int, ...]) -> StateDictEr
     )
 
 
-def _gathered_state(
-    unit: FlatUnit,
-    local: torch.Tensor,
-    fqns: list[str],
-    name: str,
-    wanted: set[str],
-    full: bool,
-    offload_to_cpu: bool,
-) -> list[tuple[str, torch.Tensor]]:
-    """State ``name`` of the ``wanted`` parameters, copied out of the unit's gathered buffer.
-
-    A collective over every parameter of the unit (``fqns``). The buffer dies
-    on return, before the next gather: a loop variable holding a view of it
-    kept it alive through that one.
-    """
-    fulls = gather_full(unit, local, label=f"optim_state_dict ({fqns[0]}.{name})")
-    return [
-        (
-            fqn,
-            value.to("cpu" if offload_to_cpu else value.device, copy=True)
-            if full
-            else chunk_of(value, unit, offload_to_cpu=offload_to_cpu),
-        )
-        for fqn, value in zip(fqns, fulls, strict=True)
-        if fqn in wanted
-    ]
-
-
 def unit_state_out(
     unit: FlatUnit,
     held: Mapping[int | None, Mapping[str, Any]],
@@ -152,9 +124,17 @@ def unit_state_out(
     values: dict[str, dict[str, torch.Tensor]] = {}
     for name, dtype in dtypes.items():
         local = _local_flat_state(unit, held, name, dtype)
-        wanted = {fqn for fqn in fqns if name in skeleton.get(fqn, {})} if keep else set()
-        for fqn, value in _gathered_state(unit, local, fqns, name, wanted, full, offload_to_cpu):
-            values.setdefault(fqn, {})[name] = value
+        wanted = [i for i, fqn in enumerate(fqns) if keep and name in skeleton.get(fqn, {})]
+        copies = gathered_copies(
+            unit,
+            local,
+            label=f"optim_state_dict ({fqns[0]}.{name})",
+            full=full,
+            offload_to_cpu=offload_to_cpu,
+            wanted=wanted,
+        )
+        for index, value in copies.items():
+            values.setdefault(fqns[index], {})[name] = value
         del local
     if keep:
         for fqn in fqns:
