@@ -84,8 +84,12 @@ every implementation runs forward and loss under ``torch.autocast(bf16)``
 their mixed-precision policy (``param_dtype=bf16, reduce_dtype=fp32``;
 ``MixedPrecisionPolicy`` for ``fully_shard``, ``MixedPrecision`` for the
 wrappers, PyTorch's and shard's alike), so they gather parameters in bf16 as
-a bf16 FSDP job does. Their losses then differ from ``single``'s by bf16
-rounding, hence the looser default ``--loss-rtol`` in bf16. At
+a bf16 FSDP job does. Their losses then differ from ``single``'s by more
+than rounding: on an H200, 2.7% at one step of 20 and 1.4% at the last (the
+plain model multiplies bf16 copies of fp32 weights made per operation, the
+FSDP ones bf16 weights gathered once). So in bf16 the losses are compared
+with PyTorch's FSDP (``torch_fsdp``, else ``torch_fsdp1``), within the
+looser default ``--loss-rtol``, and ``single``'s are reported, not judged. At
 ``--world-size 1`` every implementation but ``single`` still runs in a
 process group of one, so the ratios against ``single`` are the cost of the
 sharding machinery itself.
@@ -521,7 +525,9 @@ class _TorchCommCounter:
 
     def __enter__(self) -> _TorchCommCounter:
         for name, (kind, index) in _TORCH_COLLECTIVES.items():
-            original = getattr(dist, name)
+            original = getattr(dist, name, None)
+            if original is None:  # e.g. all_gather_single, new in torch 2.13
+                continue
             self._saved[name] = original
             setattr(dist, name, self._counting(original, kind, index))
         return self
@@ -742,10 +748,23 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
+def _loss_reference(cfg: BenchConfig, results: dict[str, ImplResult]) -> str:
+    """The implementation every other one's losses are compared with.
+
+    ``single`` in fp32; in bf16 PyTorch's FSDP (the same bf16 parameters), see
+    [Note: device and precision].
+    """
+    if cfg.precision == "bf16":
+        for name in ("torch_fsdp", "torch_fsdp1", *FSDP_IMPLS):
+            if name in results:
+                return name
+    return "single" if "single" in results else next(iter(results))
+
+
 def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float) -> dict[str, Any]:
     full = _full_state_bytes(cfg.model)
     per_rank_ideal = full / cfg.world_size
-    loss_ref_name = "single" if "single" in results else next(iter(results))
+    loss_ref_name = _loss_reference(cfg, results)
     loss_ref = results[loss_ref_name]
     losses: dict[str, Any] = {}
     for name, r in results.items():
@@ -758,10 +777,13 @@ def _analyse(cfg: BenchConfig, results: dict[str, ImplResult], loss_rtol: float)
             "final_rel_diff": _rel(r.final_loss, loss_ref.final_loss),
             "max_rel_diff_any_step": max(per_step),
             "repeats_bitwise_equal": repeats_agree,
+            # See [Note: device and precision]: in bf16 the plain model's arithmetic differs.
+            "judged": name != "single" or loss_ref_name == "single",
         }
     losses_match = all(
         v["max_rel_diff_any_step"] <= (QUANT_LOSS_RTOL if name in QUANT_IMPLS else loss_rtol)
         for name, v in losses.items()
+        if v["judged"]
     )
     state: dict[str, Any] = {}
     for name in FSDP_IMPLS:
@@ -887,6 +909,7 @@ def _report(cfg: BenchConfig, results: dict[str, ImplResult], analysis: dict[str
             f"  {name:<17} final {v['final']:.6f}  final rel diff {v['final_rel_diff']:.2e}  "
             f"max rel diff over steps {v['max_rel_diff_any_step']:.2e}"
             + ("" if v["repeats_bitwise_equal"] else "  (repeats differ)")
+            + ("" if v["judged"] else "  (not judged: autocast on fp32 weights)")
         )
     lines.append(f"losses match: {'yes' if analysis['losses_match'] else 'NO'}")
     for shard_name, targets in analysis["targets"].items():

@@ -21,6 +21,7 @@
 # machine with pip's defaults that is PyPI's torch 2.13.0, the CUDA build.
 # Where pip is configured for CPU wheels (as on our CPU machines) step 2 stops
 # with the reason instead of running the GPU tests against a CPU torch.
+# A machine with its own CUDA torch and no package index: tools/gpu/offline.sh.
 #
 # --dry-run prints every command in order and checks what needs no GPU (the
 # scripts and test roots exist, bench_train.py accepts the options, pytest

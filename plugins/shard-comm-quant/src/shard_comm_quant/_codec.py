@@ -21,6 +21,16 @@ exactly what the receivers will decode. That is what makes the error
 feedback exact: the residual is the difference between what this rank meant
 to send and what every receiver got, not an estimate of it.
 
+[Note: one division everywhere]
+The scale is ``amax / levels``. PyTorch divides a CUDA tensor by a Python
+number as a multiplication by the number's float32 reciprocal (one more
+rounding), while the CPU divides, so a scale computed as ``amax / 127``
+differed in its last bit between a GPU and a CPU rank (and every code
+scaled by it could differ: ``tests/test_codec_on_gpu.py`` caught it on the
+first GPU run). Dividing by a 0-dim tensor is a true, correctly rounded
+division on both. ``levels / amax`` is ``reciprocal(amax) * levels`` on both
+devices (two correctly rounded operations), so it needs nothing.
+
 [Note: tiny blocks]
 A block's codes are its values times ``levels / amax``, which overflows to
 infinity when ``amax`` is below about ``levels / 3.4e38`` (float32's largest
@@ -170,7 +180,8 @@ class BlockQuantCodec:
         amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # (rows, count)
         # See [Note: tiny blocks]; NaN and inf compare False and keep their scale.
         tiny = amax < _TINY
-        scale = torch.where(tiny, 0.0, amax / self._levels)
+        # A tensor divisor, not a Python number: see [Note: one division everywhere].
+        scale = torch.where(tiny, 0.0, amax / amax.new_full((), float(self._levels)))
         inverse = torch.where(tiny, 0.0, self._levels / amax)
         rounded = torch.mul(x, inverse.unsqueeze(-1), out=work)
         rounded.round_()  # now exactly the codes, as float32
