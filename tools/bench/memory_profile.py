@@ -15,7 +15,16 @@ implementation (``--impls``; each in its own freshly spawned gloo ranks, with
   step (forward: each block's start and end; backward: when a block's output
   gradient arrives and when its input gradient is computed), cheap enough to
   run ``bench_train``'s 15 steps; with ``--scan-step N`` also the live
-  tensors at every point of step N, diffed between shard and PyTorch.
+  tensors at every point of step N, diffed between shard and PyTorch;
+- ``--op-peaks``: the heap's peak inside each forward, backward and
+  optimizer step, read after every operation torch dispatches (a
+  ``TorchDispatchMode``), over the step's start, and the operation and
+  engine frame where it was reached. Block boundaries miss what a unit holds
+  for a moment between them (its full parameters while its reduction's
+  input is built was one: [Note: free, then reduce] in ``_state.py``).
+
+``--precision bf16`` runs forward and loss under ``torch.autocast`` and gives
+each implementation ``bench_train``'s bf16 mixed-precision policy.
 
 It prints one table per figure, the implementations side by side and
 ``shard - torch`` for each pair, and (``--json``) everything;
@@ -26,6 +35,8 @@ Run from the repository root (``bench_train.py``'s standing configuration)::
     .venv/bin/python tools/bench/memory_profile.py --world-size 2 --layers 4 \\
         --d-model 256 --heads 4 --seq 128 --batch 8 --steps 5
     .venv/bin/python tools/bench/memory_profile.py --timeline --steps 15 --scan-step 3
+    .venv/bin/python tools/bench/memory_profile.py --op-peaks --precision bf16 --layers 4 \
+        --d-model 512 --heads 8 --seq 128 --batch 4 --steps 3
 
 [Note: what a snapshot holds]
 - ``rss``, ``anon``, ``file``: ``/proc/self/status``'s ``VmRSS``, ``RssAnon``
@@ -63,7 +74,9 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,9 +87,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import FLAT_IMPLS, FSDP_IMPLS, PAIRS, _wrap
+from bench_train import FLAT_IMPLS, PAIRS, _wrap
 from soak import MallInfo2
 from spawn import run_ranks
 
@@ -235,6 +249,41 @@ class ProfileConfig:
     lr: float
     timeline: bool
     scan_step: int
+    op_peaks: bool = False
+    bf16: bool = False
+
+
+class _OpPeaks(TorchDispatchMode):
+    """The heap in use after every dispatched operation: its peak per phase, and where."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peaks: list[tuple[int, str, int, str]] = []  # step, phase, over start, where
+        self._peak = 0
+        self._where = ""
+
+    @contextmanager
+    def phase(self, step: int, name: str) -> Iterator[None]:
+        start = _HEAP()[0]
+        self._peak, self._where = start, "(start)"
+        with self:
+            yield
+        self.peaks.append((step, name, self._peak - start, self._where))
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        in_use = _HEAP()[0]
+        if in_use > self._peak:
+            self._peak = in_use
+            engine = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()
+                if "shard_runtime" in f.filename or "fsdp" in f.filename
+            ]
+            self._where = f"{func} in {engine[-1] if engine else 'autograd'}"
+        return out
 
 
 class _Timeline:
@@ -299,11 +348,17 @@ def _rank_main(rank: int, impl: str, cfg: ProfileConfig, init_file: str, queue: 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model)
     snaps.append(_snapshot("model built", model))
-    model = _wrap(impl, model, mesh, torch.device("cpu"), False)
+    model = _wrap(impl, model, mesh, torch.device("cpu"), cfg.bf16)
     snaps.append(_snapshot("sharded", model))
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1)
     snaps.append(_snapshot("optimizer built", model, optim))
     timeline = _Timeline(cfg.scan_step) if cfg.timeline else None
+    peaks = _OpPeaks() if cfg.op_peaks else None
+
+    def measured(step: int, name: str) -> Any:
+        return nullcontext() if peaks is None else peaks.phase(step, name)
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16)
     if timeline is not None:
         timeline.attach(model)
     rows = slice(rank * cfg.batch, (rank + 1) * cfg.batch)
@@ -318,18 +373,21 @@ def _rank_main(rank: int, impl: str, cfg: ProfileConfig, init_file: str, queue: 
         if timeline is not None:
             timeline.step = step
             timeline.mark("step start")
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        with measured(step, "forward"), autocast:
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         if timeline is not None:
             timeline.mark("loss")
         if phases:
             snaps.append(_snapshot(f"{step} forward", model, optim))
-        loss.backward()  # type: ignore[no-untyped-call]
+        with measured(step, "backward"):
+            loss.backward()  # type: ignore[no-untyped-call]
         if timeline is not None:
             timeline.mark("backward end")
         if phases:
             snaps.append(_snapshot(f"{step} backward", model, optim))
-        optim.step()
+        with measured(step, "optimizer"):
+            optim.step()
         losses.append(loss.item())
         del logits, loss
         if timeline is not None:
@@ -346,6 +404,7 @@ def _rank_main(rank: int, impl: str, cfg: ProfileConfig, init_file: str, queue: 
             "losses": losses,
             "timeline": [] if timeline is None else timeline.points,
             "scans": {} if timeline is None else timeline.scans,
+            "op_peaks": [] if peaks is None else peaks.peaks,
             "arenas": _malloc_arenas(),
         }
     )
@@ -455,6 +514,33 @@ def _scan_report(runs: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _phase_peak(ranks: list[dict[str, Any]], step: int, phase: str) -> list[Any]:
+    """The largest rank's ``--op-peaks`` record of ``phase`` in ``step``."""
+    found = [p for r in ranks for p in r["op_peaks"] if (p[0], p[1]) == (step, phase)]
+    return max(found, key=lambda p: p[2])
+
+
+def _op_peaks_report(runs: dict[str, Any]) -> list[str]:
+    """Each phase's heap peak over its start in the last step, the largest rank's, and where."""
+    impls = list(runs)
+    phases = ("forward", "backward", "optimizer")
+    last = max(p[0] for p in runs[impls[0]][0]["op_peaks"])
+    lines = [f"heap peak over the phase's start, step {last}, the largest rank (--op-peaks)"]
+    lines.append(f"{'phase':<12}" + "".join(f"{name:>14}" for name in impls))
+    for phase in phases:
+        peaks = [_phase_peak(runs[name], last, phase)[2] for name in impls]
+        lines.append(f"{phase:<12}" + "".join(f"{_mib(peak):>14}" for peak in peaks))
+    for shard, torch_name in _pairs(runs):
+        for phase in phases:
+            diff = _phase_peak(runs[shard], last, phase)[2]
+            diff -= _phase_peak(runs[torch_name], last, phase)[2]
+            lines.append(f"  diff {shard} - {torch_name} {phase}: {_mib(diff)}")
+    lines.append("where each peak was reached:")
+    for phase in phases:
+        lines += [f"  {phase} {name}: {_phase_peak(runs[name], last, phase)[3]}" for name in impls]
+    return lines
+
+
 def report(runs: dict[str, Any]) -> str:
     """The tables of one run (``runs``: implementation -> its ranks' records)."""
     timeline = bool(runs[next(iter(runs))][0]["timeline"])
@@ -475,6 +561,9 @@ def report(runs: dict[str, Any]) -> str:
     if timeline:
         lines += _timeline_report(runs)
         lines += _scan_report(runs)
+        lines.append("")
+    if runs[next(iter(runs))][0].get("op_peaks"):
+        lines += _op_peaks_report(runs)
         lines.append("")
     lines.append("glibc arenas at the end, rank 0: MiB from the system / free")
     for name, ranks in runs.items():
@@ -509,13 +598,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="default cores // world")
-    parser.add_argument("--impls", default=",".join(FSDP_IMPLS))
+    # The quantized implementations need bench_train's --comm-quant: profile those there.
+    parser.add_argument("--impls", default=",".join(_NAMESPACES))
     parser.add_argument(
         "--timeline", action="store_true", help="RSS and heap at every block boundary"
     )
     parser.add_argument(
         "--scan-step", type=int, default=0, help="with --timeline: live tensors in this step"
     )
+    parser.add_argument(
+        "--op-peaks", action="store_true", help="each phase's heap peak, read after every op"
+    )
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--json", default=None, help="write every record to this file")
     parser.add_argument("--from-json", default=None, help="report an earlier --json and exit")
     args = parser.parse_args(argv)
@@ -523,9 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report(json.loads(Path(args.from_json).read_text())["runs"]))
         return 0
     impls = [name.strip() for name in args.impls.split(",") if name.strip()]
-    unknown = [name for name in impls if name not in FSDP_IMPLS]
+    unknown = [name for name in impls if name not in _NAMESPACES]
     if unknown or not impls:
-        parser.error(f"--impls: unknown {unknown or impls}; choose from {', '.join(FSDP_IMPLS)}")
+        parser.error(f"--impls: unknown {unknown or impls}; choose from {', '.join(_NAMESPACES)}")
     cfg = ProfileConfig(
         model=GPTConfig(
             vocab_size=args.vocab,
@@ -543,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         lr=args.lr,
         timeline=args.timeline,
         scan_step=args.scan_step,
+        op_peaks=args.op_peaks,
+        bf16=args.precision == "bf16",
     )
     load = os.getloadavg()[0]
     runs = {impl: _run(impl, cfg) for impl in impls}
