@@ -526,7 +526,7 @@ class _TorchCommCounter:
     def __enter__(self) -> _TorchCommCounter:
         for name, (kind, index) in _TORCH_COLLECTIVES.items():
             original = getattr(dist, name, None)
-            if original is None:  # e.g. all_gather_single, new in torch 2.13
+            if original is None:  # all_gather_single: torch 2.13 has it, 2.11 not
                 continue
             self._saved[name] = original
             setattr(dist, name, self._counting(original, kind, index))
