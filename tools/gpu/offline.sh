@@ -10,7 +10,8 @@
 # 2.11.0+cu130 in /opt/torch/.venv, no hatch, no crc32c). So:
 #   stage  builds a wheel of every workspace package (packages/*, plugins/*)
 #          and downloads the third-party ones such an image lacks (crc32c,
-#          pluggy) for that machine's Python, into DIR (.gpu/whl): carry it.
+#          pluggy) for that machine's Python, into DIR (.gpu/whl, git-ignored):
+#          carry it (the device tool's `carry: [".gpu"]`).
 #   run    finds a Python whose torch sees CUDA ($PYTHON, else python3 on
 #          PATH, else /opt/*/.venv/bin/python3), installs DIR's wheels into a
 #          throwaway target (no dependencies resolved, nothing else touched),
