@@ -138,3 +138,14 @@ def test_ceiling_leaves_only_outliers_off_scale() -> None:
     """A warm-up step five times the median is cut off; ordinary variation is not."""
     assert _ceiling([80.0, 85.0, 90.0, 82.0]) is None
     assert _ceiling([600.0, 80.0, 85.0, 90.0, 82.0]) == pytest.approx(90.0 * 1.15)
+
+
+def test_an_outlier_under_the_headroom_is_not_cut() -> None:
+    """Above 5x the median, but under the kept maximum's 15% headroom: drawn on scale, with
+    no off-scale note (the chart once raised IndexError here and failed `shard train`)."""
+    values = [1.0, 1.0, 1.0, 4.9, 5.2]
+    assert _ceiling(values) is None
+    records = [{"step": step, "step_s": v / 10} for step, v in enumerate(values, start=1)]
+    step_time = training_figure(records, RANKS, title=TITLE).axes[3]
+    assert len(step_time.lines[0].get_ydata()) == len(values)
+    assert list(step_time.texts) == []

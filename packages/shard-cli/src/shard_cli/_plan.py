@@ -54,11 +54,11 @@ frees (``shard_runtime``'s ``Unit`` and its parameter groups):
   copied into them) and issue the next one's; a checkpointed unit
   recomputes its saved activations now; add its full gradients (and,
   transiently, the gradients of its largest activation), drop its
-  activations (and a checkpointed unit's inputs), reduce:
-  the reduce-scatter input (``fully_shard`` copies the gradients into a
-  padded buffer; the wrapper reduces its flat gradient in place) and output
-  appear, the previous reduction completes (one in flight at a time) and
-  its input goes, and the full parameters are freed; the root comes last;
+  activations (and a checkpointed unit's inputs), free the full
+  parameters, then reduce: the reduce-scatter input (``fully_shard`` copies
+  the gradients into a padded buffer; the wrapper reduces its flat gradient
+  in place) and output appear, and the previous reduction completes (one in
+  flight at a time) and its input goes; the root comes last;
 - optimizer: one temporary the size of the largest local parameter.
 
 Under activation checkpointing the estimate is an upper bound: it holds a
@@ -426,6 +426,7 @@ def _simulate_step(
         line.free(saved.get(name, 0) + (inputs.get(name, 0) if name in recomputed else 0))
         if plain:
             return
+        release(name)  # before the reduction's buffers, as shard_runtime's post-backward does
         # reduce-scatter: input, output; one reduction in flight at a time
         line.alloc(s.reduce_in + s.grads)
         if pending is not None:
@@ -434,7 +435,6 @@ def _simulate_step(
             line.free(s.full_grads)
         in_flight.free(s.full_grads)
         pending = s
-        release(name)
 
     # The loss's and the head's gradients come first: the root's gradients and
     # the gradient of its largest activation (the logits) are allocated at once.

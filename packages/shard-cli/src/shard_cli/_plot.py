@@ -103,7 +103,9 @@ def _ceiling(values: Sequence[float]) -> float | None:
     kept = [v for v in values if v <= 5 * median]
     if len(kept) == len(values) or median <= 0:
         return None
-    return max(kept) * 1.15
+    ceiling = max(kept) * 1.15
+    # An outlier just above 5x the median can still fit under the headroom: nothing is cut.
+    return ceiling if max(values) > ceiling else None
 
 
 def _off_scale_note(points: Sequence[tuple[int, float]], ceiling: float, unit: str) -> str:
