@@ -22,9 +22,11 @@ CHECK = ROOT / "tools" / "gpu" / "check.sh"
 TEST_ROOTS = "packages plugins integration_tests"
 
 
-def _check(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+def _bash(
+    script: Path, *args: str, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", str(CHECK), *args],
+        ["bash", str(script), *args],
         capture_output=True,
         text=True,
         env=env,
@@ -32,6 +34,10 @@ def _check(*args: str, env: dict[str, str], timeout: float) -> subprocess.Comple
         check=False,
         cwd=ROOT,
     )
+
+
+def _check(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return _bash(CHECK, *args, env=env, timeout=timeout)
 
 
 def _bare_env() -> dict[str, str]:
@@ -284,14 +290,7 @@ def test_offline_run_says_what_is_missing_before_installing(tmp_path: Path) -> N
     empty = tmp_path / "empty"
     empty.mkdir()
     env = _bare_env() | {"PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
-    result = subprocess.run(
-        ["bash", str(offline), "run", "--dir", str(empty)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=False,
-    )
+    result = _bash(offline, "run", "--dir", str(empty), env=env, timeout=60)
     assert result.returncode == 2
     assert f"no wheels in {empty}; run `bash tools/gpu/offline.sh stage" in result.stderr
     if shutil.which("nvidia-smi"):
@@ -300,14 +299,7 @@ def test_offline_run_says_what_is_missing_before_installing(tmp_path: Path) -> N
     staged.mkdir()
     (staged / "shard_core-0.1.0-py3-none-any.whl").write_bytes(b"")
     no_gpu = {**env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin"}
-    result = subprocess.run(
-        ["bash", str(offline), "run", "--dir", str(staged)],
-        capture_output=True,
-        text=True,
-        env=no_gpu,
-        timeout=120,
-        check=False,
-    )
+    result = _bash(offline, "run", "--dir", str(staged), env=no_gpu, timeout=120)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "no Python here imports a torch that sees a GPU" in result.stderr
     assert not (tmp_path / "shard-gpu-site").exists()
