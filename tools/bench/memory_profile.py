@@ -525,19 +525,18 @@ def _op_peaks_report(runs: dict[str, Any]) -> list[str]:
     impls = list(runs)
     phases = ("forward", "backward", "optimizer")
     last = max(p[0] for p in runs[impls[0]][0]["op_peaks"])
+    top = {(n, phase): _phase_peak(runs[n], last, phase) for n in impls for phase in phases}
     lines = [f"heap peak over the phase's start, step {last}, the largest rank (--op-peaks)"]
     lines.append(f"{'phase':<12}" + "".join(f"{name:>14}" for name in impls))
     for phase in phases:
-        peaks = [_phase_peak(runs[name], last, phase)[2] for name in impls]
-        lines.append(f"{phase:<12}" + "".join(f"{_mib(peak):>14}" for peak in peaks))
+        lines.append(f"{phase:<12}" + "".join(f"{_mib(top[name, phase][2]):>14}" for name in impls))
     for shard, torch_name in _pairs(runs):
         for phase in phases:
-            diff = _phase_peak(runs[shard], last, phase)[2]
-            diff -= _phase_peak(runs[torch_name], last, phase)[2]
+            diff = top[shard, phase][2] - top[torch_name, phase][2]
             lines.append(f"  diff {shard} - {torch_name} {phase}: {_mib(diff)}")
     lines.append("where each peak was reached:")
     for phase in phases:
-        lines += [f"  {phase} {name}: {_phase_peak(runs[name], last, phase)[3]}" for name in impls]
+        lines += [f"  {phase} {name}: {top[name, phase][3]}" for name in impls]
     return lines
 
 
