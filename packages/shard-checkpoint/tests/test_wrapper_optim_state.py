@@ -249,7 +249,8 @@ def test_full_optim_state_dict_is_on_rank0_keyed_by_name(rank_pool: RankPool) ->
     assert [group["params"] for group in optim["param_groups"]] == [names]
     for name, param in plain.named_parameters():
         state = optim["state"][name]
-        assert list(state) == ["step", "exp_avg", "exp_avg_sq"]
+        # Elementwise state first, as PyTorch's FSDP1 unflattens a flat parameter's state.
+        assert list(state) == ["exp_avg", "exp_avg_sq", "step"]
         assert state["step"].item() == 2.0
         for key in ("exp_avg", "exp_avg_sq"):
             assert state[key].shape == param.shape
@@ -267,9 +268,11 @@ def test_full_optim_state_dict_resumes_on_three_ranks(rank_pool: RankPool, how: 
 
 
 def _rekeyed(state: dict[str, Any]) -> dict[str, Any]:
-    model, optim = _build("flat")
+    model, _ = _build("flat")
     by_id = FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
-    back = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model, optim=optim)
+    # Positions mean the unwrapped model's parameter order both ways (no optimizer given:
+    # the wrapped model's flat units list theirs in another order).
+    back = FSDP.rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, model)
     return {"by_id": by_id, "back": back}
 
 
@@ -283,11 +286,17 @@ def test_rekeyed_full_state_loads_into_a_plain_optimizer(rank_pool: RankPool) ->
     optim = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
     optim.load_state_dict(rekeyed["by_id"])
     loaded = optim.state_dict()
-    assert list(loaded["state"]) == list(range(len(list(plain.parameters()))))
-    for index, name in enumerate(n for n, _ in plain.named_parameters()):
+    names = [n for n, _ in plain.named_parameters()]
+    # The state keeps the order it came in (the flat units'), as PyTorch's rekeying does.
+    assert list(rekeyed["by_id"]["state"]) == [names.index(n) for n in state["optim"]["state"]]
+    assert sorted(loaded["state"]) == list(range(len(names)))
+    for index, name in enumerate(names):
         for key, value in state["optim"]["state"][name].items():
             assert torch.equal(loaded["state"][index][key], value), (name, key)
     assert list(rekeyed["back"]["state"]) == list(state["optim"]["state"])
+    for name, entry in state["optim"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(rekeyed["back"]["state"][name][key], value), (name, key)
     assert rekeyed["back"]["param_groups"] == [
         {**group, "params": sorted(group["params"])} for group in state["optim"]["param_groups"]
     ]

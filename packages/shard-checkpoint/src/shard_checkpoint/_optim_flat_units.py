@@ -139,10 +139,26 @@ def unit_state_out(
     if keep:
         for fqn in fqns:
             if fqn in skeleton:
+                entry = skeleton[fqn]
+                order = _flat_unit_order(entry) if unit.flat_param is not None else list(entry)
                 states[fqn] = {
-                    name: values[fqn][name] if isinstance(value, _FlatState) else value
-                    for name, value in skeleton[fqn].items()
+                    name: values[fqn][name] if isinstance(entry[name], _FlatState) else entry[name]
+                    for name in order
                 }
+
+
+def _flat_unit_order(entry: Mapping[str, Any]) -> list[str]:
+    """A flat parameter's state names as PyTorch's FSDP1 lists them when it unflattens them.
+
+    Elementwise state first, then 0-dim tensors (Adam's ``step``), then other
+    values, each in the optimizer's order: a drop-in's dict iterates alike.
+    """
+
+    def rank(name: str) -> int:
+        value = entry[name]
+        return 0 if isinstance(value, _FlatState) else 1 if isinstance(value, torch.Tensor) else 2
+
+    return sorted(entry, key=rank)
 
 
 def _local_flat_state(

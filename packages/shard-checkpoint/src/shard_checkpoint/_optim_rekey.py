@@ -72,13 +72,12 @@ def rekey_optimizer_state_dict(
 
     # ``Optimizer.load_state_dict`` pairs parameters by their order in the groups:
     # positions go in ascending order, as a plain optimizer lists them. Names are
-    # sorted too, as PyTorch lists them (loading matches names, not places).
+    # sorted too, as PyTorch lists them (loading matches names, not places). The
+    # state keeps the order it came in, as PyTorch's does.
     groups = []
     for group in optim_state_dict[GROUPS]:
         groups.append({**group, PARAMS: sorted(rekey(k) for k in group[PARAMS])})
     state = {rekey(k): v for k, v in optim_state_dict[STATE].items()}
-    if key_type == "PARAM_ID":
-        state = dict(sorted(state.items()))
     return {STATE: state, GROUPS: groups}
 
 
