@@ -735,9 +735,10 @@ def test_optimizer_state_dicts_match(optim_state_dicts: dict[str, Any]) -> None:
     LOCAL, which PyTorch gives in SHARDED form), full_optim_state_dict (rank0_only both ways),
     sharded_optim_state_dict and rekey_optim_state_dict (PARAM_ID for the unwrapped model and
     back): PyTorch's parameter names, state names, param_groups, and each value's dtype, shape
-    and values (this rank's torch.chunk piece when sharded), rank by rank (dicts, so their order
-    is not compared: PyTorch's depends on use_orig_params). With use_orig_params PyTorch's full
-    state gets every exp_avg wrong on this CPU host (a PyTorch bug, see the next test)."""
+    and values (this rank's torch.chunk piece when sharded), rank by rank, in PyTorch's order
+    (which depends on use_orig_params: by name, or the flat parameters' order with their
+    elementwise state first). With use_orig_params PyTorch's full state gets every exp_avg
+    wrong on this CPU host (a PyTorch bug, see the next test)."""
     orig = CASES[optim_state_dicts["case"]]["orig"]
     for _, theirs, ours in _pairs(optim_state_dicts):
         for key, their in theirs.items():
@@ -749,6 +750,10 @@ def test_optimizer_state_dicts_match(optim_state_dicts: dict[str, Any]) -> None:
             if orig and ("FULL" in key or key.startswith(("full", "rekey"))) and their.get("state"):
                 their, our = _without_exp_avg(their), _without_exp_avg(our)
             assert our == their, key
+            if isinstance(their.get("state"), dict):
+                assert list(our["state"]) == list(their["state"]), key
+                for name, entry in their["state"].items():
+                    assert list(our["state"][name]) == list(entry), (key, name)
     state = optim_state_dicts["torch"][1]
     assert state["full_optim_state_dict"] == {}  # rank0_only=True by default
     assert sorted(state["SHARDED offload=False"]["state"]) == sorted(dict(Net().named_parameters()))
@@ -808,3 +813,49 @@ def test_rekey_takes_the_wrapped_model_too(optim_state_dicts: dict[str, Any]) ->
         if not CASES[optim_state_dicts["case"]]["orig"]:
             assert theirs[key][0] == "RuntimeError"
             assert theirs[key][1].startswith("Each parameter should only map to one parameter")
+
+
+def _checkpointed_keys(impl: Impl, inside: bool, orig: bool) -> dict[str, Any]:
+    """State-dict keys of a wrapped model whose blocks run under ``checkpoint_wrapper``.
+
+    ``inside``: the wrapper around a block that stays in the root unit; otherwise
+    around a block's own unit, the order ``apply_activation_checkpointing`` gives.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    warnings.simplefilter("ignore")
+    ns = fsdp_namespace(impl)
+    fsdp = ns.FullyShardedDataParallel
+    torch.manual_seed(0)
+    net = Net()
+    kwargs: dict[str, Any] = {"use_orig_params": orig}
+    if impl == "torch":
+        kwargs["device_id"] = torch.device("cpu")
+    for index, block in enumerate(list(net.blocks)):
+        net.blocks[index] = checkpoint_wrapper(block if inside else fsdp(block, **kwargs))
+    model = fsdp(net, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _step(model, optim, 0)
+    out: dict[str, Any] = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        with fsdp.state_dict_type(model, ns.StateDictType[kind]):
+            state = model.state_dict()
+            out[kind] = list(state)
+            out[f"optim {kind}"] = list(fsdp.optim_state_dict(model, optim)["state"])
+            out[f"load {kind}"] = _outcome(lambda state=state: str(model.load_state_dict(state)))
+    return out
+
+
+@pytest.mark.parametrize("orig", [True, False], ids=["orig", "flat"])
+@pytest.mark.parametrize("inside", [True, False], ids=["inside-root-unit", "around-own-unit"])
+def test_checkpoint_wrapper_segments_stay_out_of_the_keys(
+    rank_pool: RankPool, inside: bool, orig: bool
+) -> None:
+    """Activation checkpointing by checkpoint_wrapper: model and optimizer state dicts (FULL,
+    SHARDED) are keyed by the plain model's names, as PyTorch's, and load back."""
+    theirs = rank_pool.run(_checkpointed_keys, 2, "torch", inside, orig)
+    ours = rank_pool.run(_checkpointed_keys, 2, "shard", inside, orig)
+    assert ours == theirs
+    plain = [name for name, _ in Net().named_parameters()]
+    assert [k for k in ours[0]["FULL_STATE_DICT"] if k in plain] == plain
+    assert ours[0]["load FULL_STATE_DICT"] == ("ok", "<All keys matched successfully>")

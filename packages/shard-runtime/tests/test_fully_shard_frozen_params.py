@@ -132,6 +132,10 @@ def _train(impl: str, front_end: str, case: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=0.05)
     steps: list[dict[str, Any]] = []
     for step in range(4):
+        if case.get("evaluate"):  # a validation forward first: see test_flags_set_...
+            with torch.no_grad():
+                torch.manual_seed(7 + step)
+                sharded(torch.randn(4, _WIDTH))
         for part, value in case.get("changes", {}).get(step, ()):
             for name, param in sharded.named_parameters():
                 if part in name:
@@ -143,7 +147,15 @@ def _train(impl: str, front_end: str, case: dict[str, Any]) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         params = {n: _full(p) for n, p in sharded.named_parameters()}
-        steps.append({"loss": loss.detach().float(), "with_grad": with_grad, "params": params})
+        trainable = sorted(n for n, p in sharded.named_parameters() if p.requires_grad)
+        steps.append(
+            {
+                "loss": loss.detach().float(),
+                "with_grad": with_grad,
+                "params": params,
+                "trainable": trainable,
+            }
+        )
     return {"steps": steps, "warned": warned}
 
 
@@ -250,3 +262,42 @@ def test_frozen_unit_skips_backward_collectives(rank_pool: RankPool) -> None:
         ("reduce_scatter", "blocks.1"),
         ("reduce_scatter", "_Net"),
     ], order
+
+
+_TOGGLED = {
+    "frozen": _LORA,
+    "changes": {
+        1: (("blocks.1.base.", True), ("head.", False)),
+        2: (("blocks.0.a.", False),),
+        3: (("head.", True), ("blocks.1.base.weight", False)),
+    },
+    "evaluate": True,
+}
+
+
+def _unsharded_face_runs() -> tuple[dict[str, Any], dict[str, Any]]:
+    kept = _train("shard", "fully_shard", {**_TOGGLED, "reshard_after_forward": False})
+    resharded = _train("shard", "fully_shard", {**_TOGGLED, "reshard_after_forward": True})
+    return kept, resharded
+
+
+def test_flags_set_on_the_unsharded_face_are_kept(rank_pool: RankPool) -> None:
+    """After a no_grad forward that leaves units unsharded (reshard_after_forward=False),
+    named_parameters() gives the unsharded faces; requires_grad_ set on them freezes and
+    unfreezes exactly as when it lands on the sharded parameters (reshard_after_forward=True):
+    the same gradients, flags and values bit for bit. PyTorch forgets such flags (see the
+    differential tester's torch-fully-shard-requires-grad-on-unsharded-face)."""
+    for kept, resharded in rank_pool.run(_unsharded_face_runs, 2):
+        for step, (got, want) in enumerate(zip(kept["steps"], resharded["steps"], strict=True)):
+            assert got["trainable"] == want["trainable"], step
+            assert got["with_grad"] == want["with_grad"], step
+            assert torch.equal(got["loss"], want["loss"]), step
+            for name, value in want["params"].items():
+                assert torch.equal(got["params"][name], value), (step, name)
+        steps = kept["steps"]
+        assert "head.weight" not in steps[1]["with_grad"]
+        assert "blocks.1.base.weight" in steps[1]["with_grad"]
+        assert "blocks.0.a.weight" not in steps[2]["with_grad"]
+        assert "head.weight" in steps[3]["with_grad"]
+        assert "blocks.1.base.weight" not in steps[3]["with_grad"]
+        assert "blocks.1.base.bias" in steps[3]["trainable"]

@@ -178,6 +178,12 @@ class FlatBufferLayout:
         return 1 if self.requires_grad else 0
 
     @property
+    def hides_params_while_unsharded(self) -> bool:
+        # The original parameters give way to views (see [Note: Compute views]); flat ones
+        # stay registered on the wrapper.
+        return self.use_orig_params and self.flat_layout is not None
+
+    @property
     def signals_every_param(self) -> bool:
         # Every original is a view of the flat buffer: while it trains, frozen originals'
         # views carry a gradient too, so the buffer's one signal comes after all of them.

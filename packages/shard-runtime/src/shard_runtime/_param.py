@@ -141,6 +141,8 @@ class ShardedParam:
     installed_local: torch.Tensor | None = None
     unsharded_padded: torch.Tensor = field(init=False)  # ND, padded_rows * shard_world rows
     unsharded_param: nn.Parameter = field(init=False)
+    # the requires_grad both faces were given last; see [Note: the face the user sets]
+    synced_requires_grad: bool = field(init=False)
     # the gradients of backwards without gradient sync, summed in the reduce dtype; see
     # [Note: gradients kept across backwards without sync] in _per_param_layout.py
     accumulated_grad: torch.Tensor | None = None
@@ -266,6 +268,7 @@ class ShardedParam:
             self.unsharded_param = nn.Parameter(
                 torch.empty(0, dtype=dtype, device=device), requires_grad=self.requires_grad
             )
+            self.synced_requires_grad = self.requires_grad
             return
         rows = self.padded_rows * self.shard_world
         shape = self.split_shape
@@ -288,6 +291,7 @@ class ShardedParam:
                 spec = replace(spec, tensor_meta=TensorMeta(meta.shape, meta.stride, dtype))
             data = DTensor(data, spec, requires_grad=False)  # type: ignore[no-untyped-call]
         self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
+        self.synced_requires_grad = self.requires_grad
         if storage is None:
             self.free_unsharded()
 
@@ -301,10 +305,39 @@ class ShardedParam:
         """
         return self.sharded_param.requires_grad
 
+    def requires_grad_changed(self) -> bool:
+        """Whether the user set ``requires_grad`` on either face since the last sync."""
+        synced = self.synced_requires_grad
+        return self.requires_grad != synced or self.unsharded_param.requires_grad != synced
+
     def sync_requires_grad(self) -> None:
-        """Give the unsharded face the sharded face's ``requires_grad`` (a leaf: always allowed)."""
+        """Give both faces the flag the user set last, on whichever face they set it.
+
+        See [Note: the face the user sets]. Both are leaves: always allowed.
+        """
+        self.adopt_unsharded_requires_grad()
         if self.unsharded_param.requires_grad != self.requires_grad:
             self.unsharded_param.requires_grad_(self.requires_grad)
+        self.synced_requires_grad = self.requires_grad
+
+    def adopt_unsharded_requires_grad(self) -> None:
+        """Carry a flag set on the unsharded face over to the sharded one, which keeps it.
+
+        [Note: the face the user sets]
+        Between a forward that leaves a unit unsharded (``reshard_after_forward=False``,
+        the root, an evaluation under ``torch.no_grad()``) and its resharding, the
+        module's parameters are the unsharded faces, so ``named_parameters()`` hands
+        the user those, and a ``requires_grad_`` lands there. The sharded face is the
+        parameter that persists (the optimizer's, the one every later forward reads),
+        so a flag that changed on the unsharded face alone since the last sync is
+        copied onto it: at the next forward and whenever the unit reshards. PyTorch
+        forgets such a flag (its next forward trains a parameter frozen that way, or
+        not one unfrozen that way); shard keeps what the user set.
+        """
+        synced = self.synced_requires_grad
+        flag = self.unsharded_param.requires_grad
+        if flag != synced and self.requires_grad == synced:
+            self.sharded_param.requires_grad_(flag)
 
     # -------------------------------------------------------------- sizes
 
@@ -397,6 +430,7 @@ class ShardedParam:
         if full.size() != self.data_shape:  # padded: the real rows lead
             full = torch.as_strided(full, self.data_shape, contiguous_stride(self.data_shape), 0)
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
+        self.synced_requires_grad = self.requires_grad
         return True
 
     def unsharded_rows_view(self) -> torch.Tensor:
@@ -517,7 +551,8 @@ class ShardedParam:
     # -------------------------------------------------------------- registration
 
     def to_sharded(self) -> None:
-        """Register the sharded DTensor parameter on every owner."""
+        """Register the sharded DTensor parameter on every owner (it keeps the user's flag)."""
+        self.adopt_unsharded_requires_grad()
         for owner in self.owners:
             owner.module._parameters[owner.name] = self.sharded_param
 

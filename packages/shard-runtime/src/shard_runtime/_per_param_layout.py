@@ -19,7 +19,9 @@ the unit (:meth:`PerParamLayout.sync_requires_grad`, as PyTorch reads it at
 each all-gather): the unsharded face gets the same flag, so autograd computes
 a gradient exactly for the parameters that train now; the reduction covers
 those parameters only (a frozen one is neither sent nor given a gradient);
-and a parameter that starts to train gets its gradient-ready hook then.
+and a parameter that starts to train gets its gradient-ready hook then. While
+a unit is unsharded the user reaches the unsharded faces, and a flag set
+there is kept too ([Note: the face the user sets] in ``_param.py``).
 
 [Note: gradients kept across backwards without sync]
 A backward without gradient sync (``set_requires_gradient_sync(False)``,
@@ -155,6 +157,10 @@ class PerParamLayout:
         return not self.params
 
     @property
+    def hides_params_while_unsharded(self) -> bool:
+        return False  # the unsharded faces are registered Parameters
+
+    @property
     def num_trainable(self) -> int:
         return len(self.trainable)
 
@@ -277,7 +283,9 @@ class PerParamLayout:
             p.reset_sharded_param()
 
     def requires_grad_changed(self) -> bool:
-        return [p for p in self.params if p.requires_grad] != self.trainable
+        return any(p.requires_grad_changed() for p in self.params) or (
+            [p for p in self.params if p.requires_grad] != self.trainable
+        )
 
     def sync_requires_grad(self) -> None:
         # See [Note: requires_grad is read at every forward].

@@ -498,6 +498,17 @@ class UnitState:
         return output
 
     def _reshards_after_forward(self, unit: Unit, grad_enabled: bool) -> bool:
+        if not grad_enabled and unit.layout.hides_params_while_unsharded:
+            # [Note: an evaluation forward reshards hidden parameters]
+            # The wrapper's use_orig_params=True units compute with plain views in place of
+            # the original parameters, which come back when the unit reshards. After a
+            # training forward the backward does that; after one under torch.no_grad()
+            # (validation) nothing would until the next step, and named_parameters() would
+            # lack them meanwhile (requires_grad_, clipping, EMA and logging loops then see
+            # nothing). So such a forward reshards them, also under SHARD_GRAD_OP and
+            # NO_SHARD, at the price of a gather at the next forward (PyTorch's FSDP1 keeps
+            # them, as Parameters holding the full views).
+            return True
         if unit.reshard_after_forward is False:
             return False
         # See [Note: the root]: under the wrapper's rules the root keeps its parameters for

@@ -182,6 +182,15 @@ class UnitLayout(Protocol):
         """Register the sharded parameters and release the unsharded storage."""
         ...
 
+    @property
+    def hides_params_while_unsharded(self) -> bool:
+        """Whether the modules hold plain views instead of their parameters while unsharded.
+
+        ``named_parameters()`` then lacks them until the unit reshards; see
+        [Note: an evaluation forward reshards hidden parameters] in ``_state.py``.
+        """
+        ...
+
     def has_unsharded_grads(self) -> bool:
         """Whether any full gradient waits to be reduced."""
         ...
