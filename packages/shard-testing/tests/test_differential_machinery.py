@@ -62,13 +62,17 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
             assert config.use_orig_params or not config.toggles
         elif not isinstance(config.reshard_after_forward, bool):
             assert config.mesh[-1] % config.reshard_after_forward == 0
-    values = {dimension: set() for dimension in ("front_end", "precision", "toggles", "freeze")}
+        assert 1 <= config.resume_at < config.steps
+    dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
+    values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
             seen.add(config.dimensions()[dimension])
     assert values["toggles"] == {"none", "freeze", "unfreeze", "freeze+unfreeze"}
     assert values["freeze"] == {"none", "adapters", "bias-norm", "units", "subset"}
     assert len(values["precision"]) == 4
+    assert values["resume"] == {"none", "sharded", "full"}
+    assert values["evaluate"] == {"False", "True"}
 
 
 def test_simplest_choices_come_first() -> None:
@@ -136,6 +140,8 @@ def _trace() -> Trace:
         (lambda s: s.params.update(b=torch.ones(1, dtype=torch.float64)), "param", "b"),
         (lambda s: s.optim["a"].update(step=2.0), "optim", "a['step']"),
         (lambda s: s.optim.pop("a"), "optim", "a"),
+        (lambda s: setattr(s, "eval_loss", torch.tensor(2.0)), "eval_loss", ""),
+        (lambda s: setattr(s, "state_keys", ("a", "b")), "state_dict keys", ""),
     ],
 )
 def test_compare_reports_an_injected_difference(inject: object, what: str, name: str) -> None:
@@ -192,6 +198,30 @@ def test_the_reference_agrees_with_itself_and_one_ulp_shows(rank_pool: RankPool)
         assert clean == 0
         assert len(found) == 1
         assert found[0].startswith(f"rank {rank}, step 1: grad blocks.0.down.bias: differs bitwise")
+
+
+def _resume_that_loads_nothing(config: Config) -> list[str]:
+    """PyTorch resuming, against PyTorch whose ``set_state_dict`` loads nothing."""
+    from torch.distributed.checkpoint import state_dict as api
+
+    loaded = run_impl(config, "torch")
+    original = api.set_state_dict
+    api.set_state_dict = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        lost = run_impl(config, "torch")
+    finally:
+        api.set_state_dict = original
+    assert loaded.error is None, loaded.error
+    found, _ = compare_traces(loaded, lost, rank=dist.get_rank(), exact=True)
+    return [f"{d.step} {d.what}" for d in found]
+
+
+@pytest.mark.parametrize("resume", ["sharded", "full"])
+def test_a_resume_that_loads_nothing_shows(rank_pool: RankPool, resume: str) -> None:
+    """The resumed model starts from other weights, so a load that is lost is reported."""
+    config = Config(steps=3, resume=resume, resume_at=1, evaluate=True)  # type: ignore[arg-type]
+    for found in rank_pool.run(_resume_that_loads_nothing, 2, config):
+        assert found[:2] == ["1 loss", "1 eval_loss"]
 
 
 # ---------------------------------------------------------------------- scripts

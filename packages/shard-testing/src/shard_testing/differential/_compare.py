@@ -6,7 +6,8 @@ PyTorch's FSDP and shard must agree, on every rank, in
 
 - the parameter names (``named_parameters``, wrapper prefixes included:
   a drop-in keeps them),
-- each micro-batch's loss,
+- each micro-batch's loss, and the validation loss of a forward under
+  ``torch.no_grad()`` before the step (when the configuration evaluates),
 - the total norm ``clip_grad_norm_`` returns (when the run clips),
 - each parameter's gradient before the step, including whether it is
   ``None`` (a frozen or unused parameter),
@@ -56,6 +57,9 @@ class Snapshot:
     """One step of one library on one rank (detached CPU copies of the local shards)."""
 
     losses: list[torch.Tensor] = field(default_factory=list)
+    eval_loss: torch.Tensor | None = None
+    state_keys: tuple[str, ...] = ()
+    """The state dicts' keys, when the run resumed before this step (``_run._state_keys``)."""
     grad_norm: torch.Tensor | None = None
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -82,7 +86,7 @@ class Discrepancy:
     Attributes:
         rank: where it was seen.
         step: the optimizer step (0-based); -1 for construction.
-        what: ``"names"``, ``"loss"``, ``"grad_norm"``, ``"grad"``,
+        what: ``"names"``, ``"loss"``, ``"eval_loss"``, ``"grad_norm"``, ``"grad"``,
             ``"grad is None"``, ``"param"``, ``"optim"`` or ``"error"``.
         name: the parameter (clean name) or optimizer state key, if any.
         detail: what PyTorch had and what shard had.
@@ -218,12 +222,13 @@ def _step(
         detail = differs(a, b, exact=exact)
         if detail is not None:
             yield Discrepancy(rank, step, "loss", f"micro-batch {micro}", detail)
-    if (want.grad_norm is None) != (got.grad_norm is None):
-        yield Discrepancy(rank, step, "grad_norm", "", "returned by one library only")
-    elif want.grad_norm is not None and got.grad_norm is not None:
-        detail = differs(want.grad_norm, got.grad_norm, exact=exact)
-        if detail is not None:
-            yield Discrepancy(rank, step, "grad_norm", "", detail)
+    if want.state_keys != got.state_keys:
+        detail = _key_difference(want.state_keys, got.state_keys)
+        yield Discrepancy(rank, step, "state_dict keys", "", detail)
+    for what in ("eval_loss", "grad_norm"):
+        yield from _optional(
+            getattr(want, what), getattr(got, what), rank=rank, step=step, what=what, exact=exact
+        )
     for name, grad in want.grads.items():
         other = got.grads.get(name)
         if (grad is None) != (other is None):
@@ -261,6 +266,33 @@ def _step(
                 detail = None if _same_number(a_value, b_value) else f"{a_value!r} != {b_value!r}"
             if detail is not None:
                 yield Discrepancy(rank, step, "optim", f"{name}[{key!r}]", detail)
+
+
+def _key_difference(want: Sequence[str], got: Sequence[str]) -> str:
+    """How shard's state-dict keys differ from PyTorch's: which, or where the order parts."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        return f"shard lacks {missing}, has extra {extra}"
+    at = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+    return f"same keys, another order: torch has {want[at]!r} at {at}, shard {got[at]!r}"
+
+
+def _optional(
+    want: torch.Tensor | None,
+    got: torch.Tensor | None,
+    *,
+    rank: int,
+    step: int,
+    what: str,
+    exact: bool,
+) -> Iterator[Discrepancy]:
+    """A scalar that one library may not have recorded (a norm, a validation loss)."""
+    if (want is None) != (got is None):
+        yield Discrepancy(rank, step, what, "", "recorded by one library only")
+    elif want is not None and got is not None:
+        detail = differs(want, got, exact=exact)
+        if detail is not None:
+            yield Discrepancy(rank, step, what, "", detail)
 
 
 def _tensors(

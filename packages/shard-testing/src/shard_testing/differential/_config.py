@@ -55,6 +55,7 @@ Prefetch = Literal["none", "explicit"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
 Optimizer = Literal["sgd", "adamw"]
 Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
+Resume = Literal["none", "sharded", "full"]
 
 
 class Pick(Protocol):
@@ -151,6 +152,15 @@ class Config:
     """Gradient accumulation: all but the last micro-batch run without gradient sync."""
     clip: float | None = None
     seed: int = 0
+    evaluate: bool = False
+    """Before every step but the first, a validation forward (``model.eval()`` under
+    ``torch.no_grad()``, then ``model.train()``) whose loss is compared too."""
+    resume: Resume = "none"
+    """At the start of step ``resume_at``: the model's and the optimizer's state dicts
+    (``get_state_dict``; ``"full"``: ``full_state_dict=True``) are loaded with
+    ``set_state_dict`` into a freshly built, differently initialised model and optimizer,
+    which train the remaining steps. See [Note: resuming] in ``_run.py``."""
+    resume_at: int = 1
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -190,6 +200,8 @@ class Config:
             "steps": str(self.steps),
             "microbatches": str(self.microbatches),
             "clip": str(self.clip is not None),
+            "evaluate": str(self.evaluate),
+            "resume": self.resume,
         }
         for spec in self.blocks:
             out[f"block.{spec.kind}"] = "yes"
@@ -321,6 +333,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         forward_prefetch = pick((False, True))
         limit_all_gathers = pick((True, False))
         auto_wrap = shard_blocks and pick((False, True))
+    resume: Resume = pick(("none", "sharded", "full"))
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
         base,
@@ -342,6 +355,9 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         clip=pick((None, 0.5)),
         seed=pick(tuple(range(4))),
         freeze=freeze,
+        evaluate=pick((False, True)),
+        resume=resume,
+        resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )
 
 

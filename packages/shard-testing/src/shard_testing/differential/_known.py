@@ -78,6 +78,15 @@ def _some_unit_all_frozen(config: Config) -> bool:
     )
 
 
+def _frozen_after_training_at_resume(config: Config) -> bool:
+    """A parameter trained before the resume is frozen when the state dicts are loaded."""
+    if config.resume == "none":
+        return False
+    steps = _trainable_by_step(config)
+    at_load = steps[config.resume_at - 1]
+    return any(name not in at_load for trained in steps[: config.resume_at - 1] for name in trained)
+
+
 KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         name="fully-shard-replica-all-reduce-order",
@@ -215,6 +224,83 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "frozen=('blocks.0.norm.weight', 'blocks.0.norm.bias', 'blocks.0.up.weight', "
             "'blocks.0.up.bias', 'blocks.0.down.weight', 'blocks.0.down.bias'), "
             "toggles=(Toggle(0, 'blocks.0.norm.weight', True),))"
+        ),
+    ),
+    KnownBug(
+        name="torch-fully-shard-requires-grad-on-unsharded-face",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "fully_shard"
+            and c.evaluate
+            and bool(c.toggles)
+            and c.reshard_after_forward is not True
+        ),
+        symptom=(
+            "PyTorch's fully_shard with reshard_after_forward=False (or an int): after a "
+            "forward under torch.no_grad() the module's parameters are the unsharded ones, so "
+            "requires_grad_ on what named_parameters() gives lands there and is forgotten: "
+            "an unfreeze gives no gradient, a freeze holds for one step and the parameter "
+            "trains again in the next. shard carries the flag to the sharded parameter "
+            "(right: test_flags_set_on_the_unsharded_face_are_kept). Minimal: "
+            "Config(steps=3, toggles=(Toggle(0, 'blocks.0.up.weight', False),), "
+            "reshard_after_forward=False, evaluate=True)"
+        ),
+    ),
+    KnownBug(
+        name="torch-dcp-drops-frozen-optimizer-state",
+        culprit="torch",
+        matches=_frozen_after_training_at_resume,
+        symptom=(
+            "PyTorch's set_optimizer_state_dict (torch.distributed.checkpoint.state_dict) "
+            "skips every parameter with requires_grad=False when it loads: the saved state of "
+            "a parameter trained and then frozen is silently dropped (the saved dict has it), "
+            "so unfreezing it later restarts its moments (pytorch/pytorch#192202, fix proposed "
+            "in #192307). shard loads what was saved (right). Minimal: "
+            "Config(steps=3, toggles=(Toggle(0, 'blocks.0.up.weight', False),), "
+            "resume='sharded', resume_at=2)"
+        ),
+    ),
+    KnownBug(
+        name="torch-fsdp1-low-precision-grads-optimizer-state-dict",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.use_orig_params
+            and c.precision == "bf16-extra"
+            and c.resume != "none"
+            and bool(c.frozen or c.toggles)
+        ),
+        symptom=(
+            "PyTorch's FSDP1 optimizer state dict with use_orig_params=True and "
+            "MixedPrecision(keep_low_precision_grads=True), when a rank's shard holds no "
+            "trainable piece (most parameters frozen): 'AssertionError: Expected dtype == "
+            "info.dtype, got torch.float32 != torch.bfloat16' (fsdp/_optim_utils.py, "
+            "_convert_all_state_info; not raised when every rank holds a trainable piece). "
+            "shard gives the state dict. Minimal: "
+            "Config(front_end='wrapper', shard_blocks=False, frozen=('embed.weight', "
+            "'blocks.0.norm.weight', 'blocks.0.norm.bias', 'blocks.0.up.weight', "
+            "'blocks.0.up.bias', 'blocks.0.down.weight', 'blocks.0.down.bias', 'norm.weight', "
+            "'norm.bias'), precision='bf16-extra', resume='sharded')"
+        ),
+    ),
+    KnownBug(
+        name="torch-dcp-fsdp1-checkpoint-wrapper-optimizer-load",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.resume != "none"
+            and any(spec.checkpoint == "wrapper" for spec in c.blocks)
+            and (c.shard_blocks or not c.use_orig_params)
+        ),
+        symptom=(
+            "PyTorch's set_state_dict cannot load the optimizer state get_state_dict gave "
+            "for FSDP1 units under checkpoint_wrapper (around a block's own unit, or inside "
+            "a unit with use_orig_params=False): 'Missing optimizer state for parameter "
+            "blocks.0._fsdp_wrapped_module.norm.weight' (it looks the state up by a name "
+            "that keeps a wrapper segment the saved names do not have; cf. "
+            "pytorch/pytorch#124546). shard saves the plain model's names and loads them. "
+            "Minimal: Config(front_end='wrapper', blocks=(BlockSpec(checkpoint='wrapper'),), "
+            "resume='sharded')"
         ),
     ),
 )

@@ -25,6 +25,20 @@ fp32 shards, on the CPU). So ``Config.offload`` with the wrapper offloads
 under shard only and compares with PyTorch's run without offload: the
 tester then covers offload with ``no_sync`` accumulation, mixed precision
 and clipping, against PyTorch's numbers.
+
+[Note: resuming]
+``Config.resume`` crosses checkpointing with every other dimension the way a
+restarted job meets it: at the start of step ``resume_at`` the run takes
+``get_state_dict(model, optim)`` (PyTorch's
+``torch.distributed.checkpoint.state_dict``, shard's ``shard_checkpoint``:
+the same names, only the import differs), builds a new sharded model from
+another seed (so that a value the load misses shows in the next step's
+loss) and a new optimizer without state, replays the ``requires_grad_``
+toggles of the steps before, and calls ``set_state_dict``. The old model
+and optimizer are dropped. Both libraries must then train on exactly as
+before; the state dicts' keys are compared too (``Snapshot.state_keys``).
+No file is written: the state dicts are what DCP would save, and DCP's own
+round trip is shard-checkpoint's tests' business.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,14 +64,16 @@ from shard_testing.differential._config import Config
 from shard_testing.differential._models import Block, Net, batch_of
 
 if TYPE_CHECKING:
-    from types import ModuleType
-
     from shard_testing import RankPool
 
 __all__ = ["compare_on_rank", "run_config", "run_impl"]
 
 SGD_LR = 0.1
 ADAMW_LR = 0.01
+_RESUME_SEED = 1000
+"""Added to the configuration's seed for the model a resumed run loads into."""
+_EVAL_MICRO = 99
+"""``batch_of``'s micro-batch index of the validation batch (no training batch has it)."""
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 # (id of the default process group, mesh shape) -> mesh; see [Note: One rank function ...].
@@ -127,6 +144,27 @@ def run_impl(config: Config, impl: Impl) -> Trace:
         trace.names = [name for name, _ in model.named_parameters()]
         for step in range(config.steps):
             snapshot = Snapshot()
+            if config.resume != "none" and step == config.resume_at:
+                phase = "state_dict"
+                api = _state_dict_api(impl)
+                options = api.StateDictOptions(full_state_dict=config.resume == "full")
+                model_state, optim_state = api.get_state_dict(model, optim, options=options)
+                snapshot.state_keys = _state_keys(model_state, optim_state)
+                phase = "load_state_dict"
+                model, optim = _build(config, impl, seed=config.seed + _RESUME_SEED)
+                for before in range(1, step):
+                    _toggle(model, config, before)
+                api.set_state_dict(
+                    model,
+                    optim,
+                    model_state_dict=model_state,
+                    optim_state_dict=optim_state,
+                    options=options,
+                )
+                del model_state, optim_state
+            if config.evaluate and step > 0:
+                phase = "evaluate"
+                snapshot.eval_loss = _evaluate(model, config, step)
             phase = "requires_grad_"
             _toggle(model, config, step)
             for micro in range(config.microbatches):
@@ -191,10 +229,15 @@ def mesh_for(config: Config) -> DeviceMesh:
     return mesh
 
 
-def _build(config: Config, impl: Impl) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The sharded model and its optimizer: the user code a drop-in must accept unchanged."""
+def _build(
+    config: Config, impl: Impl, *, seed: int | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The sharded model and its optimizer: the user code a drop-in must accept unchanged.
+
+    The weights come from ``seed`` (``config.seed`` unless given).
+    """
     ns = fsdp_namespace(impl)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.seed if seed is None else seed)
     model = Net(config)
     for name, param in model.named_parameters():
         if name in config.frozen:
@@ -300,6 +343,44 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         model.blocks[index] = block
     wrapped = ns.FullyShardedDataParallel(model, **kwargs)
     return wrapped
+
+
+def _state_dict_api(impl: Impl) -> ModuleType:
+    """Where ``impl`` keeps ``get_state_dict``, ``set_state_dict`` and ``StateDictOptions``.
+
+    Imported when asked for, as :func:`fsdp_namespace` does: shard-testing does
+    not depend on shard-checkpoint.
+    """
+    name = "torch.distributed.checkpoint.state_dict" if impl == "torch" else "shard_checkpoint"
+    return importlib.import_module(name)
+
+
+def _state_keys(model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[str, ...]:
+    """Every key of both state dicts, in their order: a drop-in's dicts iterate alike.
+
+    The model's keys, then ``state.<fqn>.<name>``, ``param_groups.<i>.<option>``
+    and any other top-level key of the optimizer's.
+    """
+    keys = list(model_state)
+    for fqn, entry in optim_state.get("state", {}).items():
+        keys += [f"state.{fqn}.{name}" for name in entry]
+    for index, group in enumerate(optim_state.get("param_groups", [])):
+        keys += [f"param_groups.{index}.{option}" for option in group]
+    keys += [f"{key}" for key in optim_state if key not in ("state", "param_groups")]
+    return tuple(keys)
+
+
+def _evaluate(model: nn.Module, config: Config, step: int) -> torch.Tensor:
+    """The loss of a validation batch, in eval mode under ``torch.no_grad()``."""
+    tokens, targets = batch_of(config, step, _EVAL_MICRO, dist.get_rank())
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(tokens, False)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    finally:
+        model.train()
+    return _local(loss)
 
 
 def _clean(name: str) -> str:
