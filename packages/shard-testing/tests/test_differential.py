@@ -150,9 +150,26 @@ LORA = BlockSpec(kind="lora")
         resume_at=2,
     )
 )
-@example(Config(precision="bf16", microbatches=2, tied=True, resume="full", evaluate=True))
 @example(
-    Config(front_end="wrapper", blocks=(LORA,), optimizer="adamw", resume="sharded", evaluate=True)
+    Config(
+        precision="bf16",
+        microbatches=2,
+        tied=True,
+        resume="full",
+        evaluate=True,
+        param_groups=True,
+        optimizer="adamw",
+    )
+)
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(LORA,),
+        optimizer="adamw",
+        resume="sharded",
+        evaluate=True,
+        param_groups=True,
+    )
 )
 @example(
     Config(

@@ -59,11 +59,12 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
         assert all(0 <= t.after_step < config.steps - 1 for t in config.toggles)
         if config.front_end == "wrapper":
             assert (config.strategy in HYBRID) == (len(config.mesh) == 2)
-            assert config.use_orig_params or not config.toggles
+            assert config.use_orig_params or not (config.toggles or config.param_groups)
         elif not isinstance(config.reshard_after_forward, bool):
             assert config.mesh[-1] % config.reshard_after_forward == 0
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
+    dimensions += ("param_groups",)
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -72,7 +73,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["freeze"] == {"none", "adapters", "bias-norm", "units", "subset"}
     assert len(values["precision"]) == 4
     assert values["resume"] == {"none", "sharded", "full"}
-    assert values["evaluate"] == {"False", "True"}
+    assert values["evaluate"] == values["param_groups"] == {"False", "True"}
 
 
 def test_simplest_choices_come_first() -> None:

@@ -147,6 +147,9 @@ class Config:
     compute device (its FSDP1 offload needs an accelerator); offloading must not change a
     value, so the comparison still holds. See [Note: the wrapper's offload] in ``_run.py``."""
     optimizer: Optimizer = "sgd"
+    param_groups: bool = False
+    """Two param groups, as fine-tuning recipes build them: weights, and biases and norms
+    at half the learning rate without weight decay (an empty one is left out)."""
     steps: int = 2
     microbatches: int = 1
     """Gradient accumulation: all but the last micro-batch run without gradient sync."""
@@ -197,6 +200,7 @@ class Config:
             "precision": self.precision,
             "offload": str(self.offload),
             "optimizer": self.optimizer,
+            "param_groups": str(self.param_groups),
             "steps": str(self.steps),
             "microbatches": str(self.microbatches),
             "clip": str(self.clip is not None),
@@ -350,6 +354,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         limit_all_gathers=limit_all_gathers,
         offload=pick((False, True)),
         optimizer=pick(("sgd", "adamw")),
+        # FSDP1's flat parameters cannot be split into groups by original parameter.
+        param_groups=use_orig_params and pick((False, True)),
         steps=steps,
         microbatches=pick((1, 2)),
         clip=pick((None, 0.5)),

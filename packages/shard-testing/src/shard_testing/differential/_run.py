@@ -245,13 +245,28 @@ def _build(
     sharded = _fully_shard(ns, model, config) if config.front_end == "fully_shard" else None
     if sharded is None:
         sharded = _wrap(ns, model, config)
-    params = list(sharded.parameters())
+    groups = _param_groups(sharded, config)
     optim: torch.optim.Optimizer
     if config.optimizer == "sgd":
-        optim = torch.optim.SGD(params, lr=SGD_LR, momentum=0.9)
+        optim = torch.optim.SGD(groups, lr=SGD_LR, momentum=0.9)
     else:
-        optim = torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=0.1)
+        optim = torch.optim.AdamW(groups, lr=ADAMW_LR, weight_decay=0.1)
     return sharded, optim
+
+
+def _param_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
+    """One group of every parameter, or weights and (biases, norms) as ``param_groups`` says."""
+    if not config.param_groups:
+        return [{"params": list(model.parameters())}]
+    lr = SGD_LR if config.optimizer == "sgd" else ADAMW_LR
+    weights, others = [], []
+    for name, param in model.named_parameters():
+        clean = _clean(name)
+        (others if clean.endswith(".bias") or "norm." in clean else weights).append(param)
+    groups: list[dict[str, Any]] = [{"params": weights}] if weights else []
+    if others:
+        groups.append({"params": others, "lr": lr / 2, "weight_decay": 0.0})
+    return groups
 
 
 def _checkpoint_wrapper(module: nn.Module) -> nn.Module:
