@@ -259,7 +259,8 @@ def _param_groups(model: nn.Module, config: Config) -> list[dict[str, Any]]:
     if not config.param_groups:
         return [{"params": list(model.parameters())}]
     lr = SGD_LR if config.optimizer == "sgd" else ADAMW_LR
-    weights, others = [], []
+    weights: list[nn.Parameter] = []
+    others: list[nn.Parameter] = []
     for name, param in model.named_parameters():
         clean = _clean(name)
         (others if clean.endswith(".bias") or "norm." in clean else weights).append(param)
