@@ -551,8 +551,9 @@ def _frozen_after_training(impl: str, front: str) -> dict[str, Any]:
     api = _api(impl)
     model, optim = _build(impl, front, seed=0)
     _train_step(model, optim)
-    held = sorted(optim.state.get(_head(model), {}))  # a wrapper rank may hold no piece of it
-    _head(model).requires_grad_(False)
+    head = _head(model)
+    held = sorted(optim.state.get(head, {}))  # a wrapper rank may hold no piece of it
+    head.requires_grad_(False)
     model_state, optim_state = api.get_state_dict(model, optim)
     saved = _plain(optim_state["state"]["head.weight"])
     fresh, fresh_optim = _build(impl, front, seed=1)

@@ -166,7 +166,6 @@ def optimizer_state_dict(
     flat_of: dict[str, ShardedParam] = {}  # See [Note: flat shards in optimizer state]
     wrapper: dict[int, dict[int | None, dict[str, Any]]] = {}  # id(unit) -> index -> state
     groups: list[dict[str, Any]] = []
-    created: list[str] = []  # plain parameters in the order their optimizer state was created
     for o, (optim, entry_groups) in enumerate(zip(optims, layout, strict=True)):
         if local_state_dicts is None:
             _init_state(optim)
@@ -182,7 +181,6 @@ def optimizer_state_dict(
             entry = entry_of_index[index]
             if entry.unit is None:
                 plain[entry.fqns[0]] = dict(values)
-                created.append(entry.fqns[0])
                 if id(entry.param) in flats:
                     flat_of[entry.fqns[0]] = flats[id(entry.param)]
             else:
@@ -206,9 +204,9 @@ def optimizer_state_dict(
             elif fqn in states:
                 ordered[fqn] = states[fqn]
     if not units:
-        # As optim.state_dict() lists it (PyTorch's too): by when each parameter's state was
-        # created, which is not parameter order once a parameter starts training late.
-        ordered = {fqn: ordered[fqn] for fqn in created if fqn in ordered}
+        # As optim.state_dict() lists it (PyTorch's too), which ``plain`` kept: by when each
+        # parameter's state was created, not parameter order once one starts training late.
+        ordered = {fqn: ordered[fqn] for fqn in plain if fqn in ordered}
     elif any(unit.flat_param is None for unit in units):
         # PyTorch's FSDP1 lists the state of use_orig_params=True models by parameter name,
         # the parameters outside every unit (ignored modules) first; its param_groups keep

@@ -86,8 +86,9 @@ class Discrepancy:
     Attributes:
         rank: where it was seen.
         step: the optimizer step (0-based); -1 for construction.
-        what: ``"names"``, ``"loss"``, ``"eval_loss"``, ``"grad_norm"``, ``"grad"``,
-            ``"grad is None"``, ``"param"``, ``"optim"`` or ``"error"``.
+        what: ``"names"``, ``"loss"``, ``"state_dict keys"``, ``"eval_loss"``,
+            ``"grad_norm"``, ``"grad"``, ``"grad is None"``, ``"param"``, ``"optim"`` or
+            ``"error"``.
         name: the parameter (clean name) or optimizer state key, if any.
         detail: what PyTorch had and what shard had.
     """
@@ -270,11 +271,19 @@ def _step(
 
 def _key_difference(want: Sequence[str], got: Sequence[str]) -> str:
     """How shard's state-dict keys differ from PyTorch's: which, or where the order parts."""
+    different = _different_names(want, got)
+    if different is not None:
+        return different
+    at = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
+    return f"same keys, another order: torch has {want[at]!r} at {at}, shard {got[at]!r}"
+
+
+def _different_names(want: Sequence[str], got: Sequence[str]) -> str | None:
+    """``"shard lacks [...], has extra [...]"`` when the two hold different names, else ``None``."""
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
         return f"shard lacks {missing}, has extra {extra}"
-    at = next(i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b)
-    return f"same keys, another order: torch has {want[at]!r} at {at}, shard {got[at]!r}"
+    return None
 
 
 def _optional(
@@ -304,9 +313,9 @@ def _tensors(
     what: str,
     exact: bool,
 ) -> Iterator[Discrepancy]:
-    if sorted(want) != sorted(got):
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        yield Discrepancy(rank, step, what, "", f"shard lacks {missing}, has extra {extra}")
+    different = _different_names(list(want), list(got))
+    if different is not None:
+        yield Discrepancy(rank, step, what, "", different)
     for name, value in want.items():
         if name in got:
             detail = differs(value, got[name], exact=exact)

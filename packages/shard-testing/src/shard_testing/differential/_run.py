@@ -172,9 +172,7 @@ def run_impl(config: Config, impl: Impl) -> Trace:
                 tokens, targets = batch_of(config, step, micro, dist.get_rank())
                 phase = "forward"
                 with _gradient_sync(model, config, last):
-                    logits = model(tokens, step % 2 == 0)
-                    loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                    loss = loss / config.microbatches
+                    loss = _loss(model(tokens, step % 2 == 0), targets) / config.microbatches
                     phase = "backward"
                     loss.backward()  # type: ignore[no-untyped-call]
                 snapshot.losses.append(_local(loss))
@@ -382,8 +380,13 @@ def _state_keys(model_state: dict[str, Any], optim_state: dict[str, Any]) -> tup
         keys += [f"state.{fqn}.{name}" for name in entry]
     for index, group in enumerate(optim_state.get("param_groups", [])):
         keys += [f"param_groups.{index}.{option}" for option in group]
-    keys += [f"{key}" for key in optim_state if key not in ("state", "param_groups")]
+    keys += [str(key) for key in optim_state if key not in ("state", "param_groups")]
     return tuple(keys)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean token cross-entropy of a (batch, sequence, vocabulary) output."""
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def _evaluate(model: nn.Module, config: Config, step: int) -> torch.Tensor:
@@ -392,8 +395,7 @@ def _evaluate(model: nn.Module, config: Config, step: int) -> torch.Tensor:
     model.eval()
     try:
         with torch.no_grad():
-            logits = model(tokens, False)
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+            loss = _loss(model(tokens, False), targets)
     finally:
         model.train()
     return _local(loss)
