@@ -275,25 +275,56 @@ _TOGGLED = {
 }
 
 
-def _unsharded_face_runs() -> tuple[dict[str, Any], dict[str, Any]]:
+def _one_process(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """``_train``'s steps in one process over every rank's batch, the toggles on the model."""
+    torch.manual_seed(0)
+    model = _Net(case.get("checkpointed", False))
+    _set_frozen(model, case["frozen"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    steps: list[dict[str, Any]] = []
+    for step in range(4):
+        for part, value in case.get("changes", {}).get(step, ()):
+            for name, param in model.named_parameters():
+                if part in name:
+                    param.requires_grad_(value)
+        batches = []
+        for rank in range(dist.get_world_size()):
+            torch.manual_seed(100 + 10 * step + rank)
+            batches.append(torch.randn(4, _WIDTH))
+        model(torch.cat(batches)).backward()
+        with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad()
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        steps.append({"with_grad": with_grad, "params": params})
+    return steps
+
+
+def _unsharded_face_runs() -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
     kept = _train("shard", "fully_shard", {**_TOGGLED, "reshard_after_forward": False})
     resharded = _train("shard", "fully_shard", {**_TOGGLED, "reshard_after_forward": True})
-    return kept, resharded
+    return kept, resharded, _one_process(_TOGGLED)
 
 
 def test_flags_set_on_the_unsharded_face_are_kept(rank_pool: RankPool) -> None:
     """After a no_grad forward that leaves units unsharded (reshard_after_forward=False),
     named_parameters() gives the unsharded faces; requires_grad_ set on them freezes and
     unfreezes exactly as when it lands on the sharded parameters (reshard_after_forward=True):
-    the same gradients, flags and values bit for bit. PyTorch forgets such flags (see the
-    differential tester's torch-fully-shard-requires-grad-on-unsharded-face)."""
-    for kept, resharded in rank_pool.run(_unsharded_face_runs, 2):
+    the same gradients, flags and values bit for bit, and the values of one process training
+    the plain model on every rank's batch with the same toggles. PyTorch forgets such flags
+    (see the differential tester's torch-fully-shard-requires-grad-on-unsharded-face)."""
+    for kept, resharded, reference in rank_pool.run(_unsharded_face_runs, 2):
         for step, (got, want) in enumerate(zip(kept["steps"], resharded["steps"], strict=True)):
             assert got["trainable"] == want["trainable"], step
             assert got["with_grad"] == want["with_grad"], step
             assert torch.equal(got["loss"], want["loss"]), step
             for name, value in want["params"].items():
                 assert torch.equal(got["params"][name], value), (step, name)
+        # and both train as one process does with the same toggles on the plain model
+        for step, (got, ref) in enumerate(zip(kept["steps"], reference, strict=True)):
+            assert got["with_grad"] == ref["with_grad"], step
+            for name, value in ref["params"].items():
+                torch.testing.assert_close(got["params"][name], value, msg=f"{step} {name}")
         steps = kept["steps"]
         assert "head.weight" not in steps[1]["with_grad"]
         assert "blocks.1.base.weight" in steps[1]["with_grad"]
