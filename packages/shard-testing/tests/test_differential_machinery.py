@@ -72,7 +72,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["toggles"] == {"none", "freeze", "unfreeze", "freeze+unfreeze"}
     assert values["freeze"] == {"none", "adapters", "bias-norm", "units", "subset"}
     assert len(values["precision"]) == 4
-    assert values["resume"] == {"none", "sharded", "full"}
+    assert values["resume"] == {"none", "sharded", "full", "native"}
     assert values["evaluate"] == values["param_groups"] == {"False", "True"}
 
 

@@ -55,7 +55,7 @@ Prefetch = Literal["none", "explicit"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
 Optimizer = Literal["sgd", "adamw"]
 Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
-Resume = Literal["none", "sharded", "full"]
+Resume = Literal["none", "sharded", "full", "native"]
 
 
 class Pick(Protocol):
@@ -160,9 +160,10 @@ class Config:
     ``torch.no_grad()``, then ``model.train()``) whose loss is compared too."""
     resume: Resume = "none"
     """At the start of step ``resume_at``: the model's and the optimizer's state dicts
-    (``get_state_dict``; ``"full"``: ``full_state_dict=True``) are loaded with
-    ``set_state_dict`` into a freshly built, differently initialised model and optimizer,
-    which train the remaining steps. See [Note: resuming] in ``_run.py``."""
+    (``get_state_dict``; ``"full"``: ``full_state_dict=True``; ``"native"``: the front
+    end's own ``state_dict`` methods) are loaded into a freshly built, differently
+    initialised model and optimizer, which train the remaining steps. See
+    [Note: resuming] in ``_run.py``."""
     resume_at: int = 1
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
@@ -337,7 +338,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         forward_prefetch = pick((False, True))
         limit_all_gathers = pick((True, False))
         auto_wrap = shard_blocks and pick((False, True))
-    resume: Resume = pick(("none", "sharded", "full"))
+    resume: Resume = pick(("none", "sharded", "full", "native"))
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
         base,

@@ -79,8 +79,12 @@ def _some_unit_all_frozen(config: Config) -> bool:
 
 
 def _frozen_after_training_at_resume(config: Config) -> bool:
-    """A parameter trained before the resume is frozen when the state dicts are loaded."""
-    if config.resume == "none":
+    """A parameter trained before the resume is frozen when ``set_state_dict`` loads the dicts.
+
+    Only the resumes through ``torch.distributed.checkpoint.state_dict``: the front ends'
+    own methods (``"native"``) are not that code.
+    """
+    if config.resume not in ("sharded", "full"):
         return False
     steps = _trainable_by_step(config)
     at_load = steps[config.resume_at - 1]
@@ -288,7 +292,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         culprit="torch",
         matches=lambda c: (
             c.front_end == "wrapper"
-            and c.resume != "none"
+            and c.resume in ("sharded", "full")
             and any(spec.checkpoint == "wrapper" for spec in c.blocks)
             and (c.shard_blocks or not c.use_orig_params)
         ),

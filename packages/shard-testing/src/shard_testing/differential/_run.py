@@ -34,7 +34,11 @@ restarted job meets it: at the start of step ``resume_at`` the run takes
 the same names, only the import differs), builds a new sharded model from
 another seed (so that a value the load misses shows in the next step's
 loss) and a new optimizer without state, replays the ``requires_grad_``
-toggles of the steps before, and calls ``set_state_dict``. The old model
+toggles of the steps before, and calls ``set_state_dict``. ``"native"``
+saves and loads with the front end's own methods instead, as Lightning and
+accelerate do (``state_dict``/``load_state_dict`` of the model and the
+optimizer; the wrapper's under ``SHARDED_STATE_DICT`` with
+``optim_state_dict``/``optim_state_dict_to_load``). The old model
 and optimizer are dropped. Both libraries must then train on exactly as
 before; the state dicts' keys are compared too (``Snapshot.state_keys``).
 No file is written: the state dicts are what DCP would save, and DCP's own
@@ -146,21 +150,13 @@ def run_impl(config: Config, impl: Impl) -> Trace:
             snapshot = Snapshot()
             if config.resume != "none" and step == config.resume_at:
                 phase = "state_dict"
-                api = _state_dict_api(impl)
-                options = api.StateDictOptions(full_state_dict=config.resume == "full")
-                model_state, optim_state = api.get_state_dict(model, optim, options=options)
+                model_state, optim_state = _save(model, optim, config, impl)
                 snapshot.state_keys = _state_keys(model_state, optim_state)
                 phase = "load_state_dict"
                 model, optim = _build(config, impl, seed=config.seed + _RESUME_SEED)
                 for before in range(1, step):
                     _toggle(model, config, before)
-                api.set_state_dict(
-                    model,
-                    optim,
-                    model_state_dict=model_state,
-                    optim_state_dict=optim_state,
-                    options=options,
-                )
+                _load(model, optim, model_state, optim_state, config, impl)
                 del model_state, optim_state
             if config.evaluate and step > 0:
                 phase = "evaluate"
@@ -367,6 +363,56 @@ def _state_dict_api(impl: Impl) -> ModuleType:
     """
     name = "torch.distributed.checkpoint.state_dict" if impl == "torch" else "shard_checkpoint"
     return importlib.import_module(name)
+
+
+def _save(
+    model: nn.Module, optim: torch.optim.Optimizer, config: Config, impl: Impl
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state dicts, taken the way ``config.resume`` says.
+
+    ``"native"``: the front end's own methods, as Lightning and accelerate call them:
+    ``model.state_dict()`` and ``optim.state_dict()`` under ``fully_shard``; under the
+    wrapper ``SHARDED_STATE_DICT`` with ``FullyShardedDataParallel.optim_state_dict``.
+    Otherwise ``get_state_dict`` (``full_state_dict`` for ``"full"``).
+    """
+    if config.resume == "native":
+        if config.front_end == "fully_shard":
+            return model.state_dict(), optim.state_dict()
+        ns = fsdp_namespace(impl)
+        fsdp = ns.FullyShardedDataParallel
+        with fsdp.state_dict_type(model, ns.StateDictType.SHARDED_STATE_DICT):
+            return model.state_dict(), fsdp.optim_state_dict(model, optim)
+    api = _state_dict_api(impl)
+    options = api.StateDictOptions(full_state_dict=config.resume == "full")
+    saved: tuple[dict[str, Any], dict[str, Any]] = api.get_state_dict(model, optim, options=options)
+    return saved
+
+
+def _load(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any],
+    config: Config,
+    impl: Impl,
+) -> None:
+    """Load what :func:`_save` gave into a fresh model and optimizer, the same way."""
+    if config.resume == "native":
+        if config.front_end == "fully_shard":
+            model.load_state_dict(model_state)
+            optim.load_state_dict(optim_state)
+            return
+        ns = fsdp_namespace(impl)
+        fsdp = ns.FullyShardedDataParallel
+        with fsdp.state_dict_type(model, ns.StateDictType.SHARDED_STATE_DICT):
+            model.load_state_dict(model_state)
+            optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, optim_state))
+        return
+    api = _state_dict_api(impl)
+    options = api.StateDictOptions(full_state_dict=config.resume == "full")
+    api.set_state_dict(
+        model, optim, model_state_dict=model_state, optim_state_dict=optim_state, options=options
+    )
 
 
 def _state_keys(model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[str, ...]:
