@@ -1,16 +1,18 @@
 """A rank that diverges, stalls or dies ends every rank with a named CollectiveError.
 
-Each scenario runs two gloo ranks as plain subprocesses (this file, run as a
-script) training a 4-block model under ``fully_shard`` with a short
-process-group timeout. The test process hosts the c10d store, as torchrun's
-agent does, so it outlives any rank. At step 2 rank 1 misbehaves: skips a
-block's forward, skips a block's backward, sleeps past the timeout, or is
-killed with SIGKILL in forward, backward or the optimizer step. Every rank
-must then exit with ``CollectiveError`` (the backend's error as its cause)
-whose message names the ranks, units, phases, steps and sequence numbers,
-within the timeout plus a few seconds; for a killed rank, the collective it
-was last seen in. All scenarios run at once, so the
-module costs one start-up and one timeout.
+Each scenario runs two gloo ranks training a 4-block model under
+``fully_shard`` with a short process-group timeout. The test process hosts
+the c10d stores, as torchrun's agent does, so they outlive any rank. At
+step 2 rank 1 misbehaves: skips a block's forward, skips a block's backward,
+sleeps past the timeout, or is killed with SIGKILL in forward, backward or
+the optimizer step. Every rank must then exit with ``CollectiveError`` (the
+backend's error as its cause) whose message names the ranks, units, phases,
+steps and sequence numbers, within the timeout plus a few seconds; for a
+killed rank, the collective it was last seen in. All scenarios run at once, so the module costs one
+timeout; and one start-up: a single process (this file, run as a script)
+imports torch and shard once and forks all twelve ranks, which on a 2-core
+machine saves the half minute that twelve interpreters importing torch
+side by side took.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import traceback
 from datetime import timedelta
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -124,8 +126,57 @@ def _rank_main(scenario: str, rank: int, port: int, out: str) -> None:
     os._exit(0)  # See the gloo note: no teardown that could abort
 
 
+def _fork_ranks(root: Path, ports: dict[str, int]) -> None:
+    """Import what every rank needs once, fork each scenario's two ranks, record how each ended.
+
+    Each rank's stderr goes to ``<scenario>.<rank>.err`` in ``root``; ``codes.json`` maps
+    ``<scenario>.<rank>`` to its exit code as ``subprocess`` reports it (``-9``: SIGKILL),
+    or to ``"hung"`` for one still running after ``BOUND_S``. Forking is safe here: these
+    imports start no thread (and ``OMP_NUM_THREADS=1``).
+    """
+    import torch  # noqa: F401  (loaded here once, for every fork)
+
+    import shard_runtime  # noqa: F401
+
+    children: dict[int, str] = {}
+    for scenario, port in ports.items():
+        for rank in range(2):
+            name = f"{scenario}.{rank}"
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.dup2(os.open(root / f"{name}.err", os.O_WRONLY | os.O_CREAT), 2)
+                    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+                    if scenario == "diverge_forward":
+                        os.environ["SHARD_FLIGHT_RECORDER_DUMP"] = str(root / "dump")
+                    _rank_main(scenario, rank, port, str(root / f"{name}.json"))
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stderr.flush()
+                    os._exit(1)
+            children[pid] = name
+    deadline = time.monotonic() + BOUND_S
+    codes: dict[str, int | str] = {}
+    while children and time.monotonic() < deadline:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        codes[children.pop(pid)] = os.waitstatus_to_exitcode(status)
+    for pid, name in children.items():
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        codes[name] = "hung"
+    (root / "codes.json").write_text(json.dumps(codes))
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1] == "--fork-ranks":  # what the test runs
+        _fork_ranks(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    else:  # one rank of one scenario, to reproduce it by hand
+        _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
 
 
 # ----------------------------------------------------------------------------- test side
@@ -143,54 +194,36 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
         "OMP_NUM_THREADS": "1",
         "SHARD_FLIGHT_RECORDER_DUMP": "",
     }
-    stores = []
-    logs: list[IO[bytes]] = []
-    procs: dict[str, list[subprocess.Popen[bytes]]] = {}
-    for scenario in SCENARIOS:
-        store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-        stores.append(store)
-        scenario_env = dict(env)
-        if scenario == "diverge_forward":
-            scenario_env["SHARD_FLIGHT_RECORDER_DUMP"] = str(root / "dump")
-        procs[scenario] = []
-        for rank in range(2):
-            logs.append((root / f"{scenario}.{rank}.err").open("wb"))  # a file never blocks
-            command = [sys.executable, __file__, scenario, str(rank), str(store.port)]
-            procs[scenario].append(
-                subprocess.Popen(
-                    [*command, str(root / f"{scenario}.{rank}.json")],
-                    env=scenario_env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=logs[-1],
-                )
-            )
-    deadline = time.monotonic() + BOUND_S
+    stores = {
+        scenario: TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+        for scenario in SCENARIOS
+    }
+    ports = {scenario: store.port for scenario, store in stores.items()}
+    with (root / "fork.err").open("wb") as log:  # a file never blocks
+        forked = subprocess.run(
+            [sys.executable, __file__, "--fork-ranks", str(root), json.dumps(ports)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            timeout=BOUND_S + 60.0,
+            check=False,
+        )
+    why = (root / "fork.err").read_text(errors="replace")[-3000:]
+    assert forked.returncode == 0, why
+    codes = json.loads((root / "codes.json").read_text())
     results: dict[str, list[dict[str, Any]]] = {}
-    try:
-        for scenario, ranks in procs.items():
-            results[scenario] = []
-            for rank, proc in enumerate(ranks):
-                try:
-                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    code = proc.wait()
-                    results[scenario].append({"hung": True})
-                    continue
-                path = root / f"{scenario}.{rank}.json"
-                if path.exists():
-                    results[scenario].append(json.loads(path.read_text()))
-                else:
-                    err = (root / f"{scenario}.{rank}.err").read_text(errors="replace")
-                    results[scenario].append({"exit": code, "stderr": err[-2000:]})
-    finally:
-        for ranks in procs.values():
-            for proc in ranks:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        for log in logs:
-            log.close()
+    for scenario in SCENARIOS:
+        results[scenario] = []
+        for rank in range(2):
+            name = f"{scenario}.{rank}"
+            path = root / f"{name}.json"
+            if path.exists():
+                results[scenario].append(json.loads(path.read_text()))
+            elif codes[name] == "hung":
+                results[scenario].append({"hung": True})
+            else:
+                err = (root / f"{name}.err").read_text(errors="replace")
+                results[scenario].append({"exit": codes[name], "stderr": err[-2000:]})
     results["_dump"] = [{"dir": str(root / "dump")}]
     return results
 
