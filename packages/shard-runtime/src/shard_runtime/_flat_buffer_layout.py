@@ -414,6 +414,10 @@ class FlatBufferLayout:
             return
         for spec, info in zip(self.shard_specs(), self.shard_meta.params, strict=True):
             if not spec.param.requires_grad:
+                # As PyTorch's wrapper: when its unit's reduction lands, a frozen parameter
+                # loses any gradient it kept (zeros from zero_grad(set_to_none=False), say),
+                # so the optimizer stops stepping it (momentum, weight decay).
+                spec.param.grad = None
                 continue
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
             piece = piece.view(spec.param.shape)  # 1-D, or the full shape on one rank
