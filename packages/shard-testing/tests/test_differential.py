@@ -191,6 +191,25 @@ LORA = BlockSpec(kind="lora")
         resume="sharded",
     )
 )
+# zero_grad(set_to_none=False) crossed with a freeze between steps: the wrapper drops the
+# frozen parameter's zero gradient (so momentum stops moving it); fully_shard keeps it
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec()),
+        toggles=(Toggle(0, "embed.weight", False),),
+        set_to_none=False,
+    )
+)
+@example(
+    Config(
+        blocks=(LORA, BlockSpec(side=True)),
+        steps=3,
+        toggles=(Toggle(0, "blocks.0.up.a.weight", False),),
+        set_to_none=False,
+        microbatches=2,
+    )
+)
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
     assume(not known_bugs_in(config))

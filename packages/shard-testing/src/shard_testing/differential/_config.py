@@ -154,6 +154,11 @@ class Config:
     microbatches: int = 1
     """Gradient accumulation: all but the last micro-batch run without gradient sync."""
     clip: float | None = None
+    set_to_none: bool = True
+    """``optim.zero_grad(set_to_none=...)`` after each step: ``False`` keeps zero-filled
+    gradients, so parameters without a gradient in the next step (frozen since, or on a
+    branch that step skips) still have one, and the optimizer still steps them (momentum,
+    weight decay), and the next reduction adds to them."""
     seed: int = 0
     evaluate: bool = False
     """Before every step but the first, a validation forward (``model.eval()`` under
@@ -205,6 +210,7 @@ class Config:
             "steps": str(self.steps),
             "microbatches": str(self.microbatches),
             "clip": str(self.clip is not None),
+            "set_to_none": str(self.set_to_none),
             "evaluate": str(self.evaluate),
             "resume": self.resume,
         }
@@ -360,6 +366,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         steps=steps,
         microbatches=pick((1, 2)),
         clip=pick((None, 0.5)),
+        set_to_none=pick((True, False)),
         seed=pick(tuple(range(4))),
         freeze=freeze,
         evaluate=pick((False, True)),

@@ -182,7 +182,7 @@ def run_impl(config: Config, impl: Impl) -> Trace:
             }
             phase = "optimizer step"
             optim.step()
-            optim.zero_grad(set_to_none=True)
+            optim.zero_grad(set_to_none=config.set_to_none)
             phase = "snapshot"
             snapshot.params = {_clean(n): _local(p) for n, p in model.named_parameters()}
             snapshot.optim = _optim_state(model, optim)
