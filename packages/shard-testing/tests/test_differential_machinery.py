@@ -64,7 +64,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
             assert config.mesh[-1] % config.reshard_after_forward == 0
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
-    dimensions += ("param_groups", "set_to_none")
+    dimensions += ("param_groups", "set_to_none", "eval_no_grad")
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -74,7 +74,8 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert len(values["precision"]) == 4
     assert values["resume"] == {"none", "sharded", "full", "native"}
     assert values["evaluate"] == values["param_groups"] == {"False", "True"}
-    assert values["set_to_none"] == {"False", "True"}
+    assert values["set_to_none"] == values["eval_no_grad"] == {"False", "True"}
+    assert all(config.evaluate or config.eval_no_grad for config in DRAWN)
 
 
 def test_simplest_choices_come_first() -> None:

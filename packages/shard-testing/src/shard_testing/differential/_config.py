@@ -163,6 +163,10 @@ class Config:
     evaluate: bool = False
     """Before every step but the first, a validation forward (``model.eval()`` under
     ``torch.no_grad()``, then ``model.train()``) whose loss is compared too."""
+    eval_no_grad: bool = True
+    """With ``evaluate``: ``False`` runs the validation forward with autograd on and drops
+    its graph without a backward (a loss computed for logging without ``torch.no_grad()``),
+    so every unit sees a forward whose backward never comes."""
     resume: Resume = "none"
     """At the start of step ``resume_at``: the model's and the optimizer's state dicts
     (``get_state_dict``; ``"full"``: ``full_state_dict=True``; ``"native"``: the front
@@ -212,6 +216,7 @@ class Config:
             "clip": str(self.clip is not None),
             "set_to_none": str(self.set_to_none),
             "evaluate": str(self.evaluate),
+            "eval_no_grad": str(self.eval_no_grad),
             "resume": self.resume,
         }
         for spec in self.blocks:
@@ -344,6 +349,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         forward_prefetch = pick((False, True))
         limit_all_gathers = pick((True, False))
         auto_wrap = shard_blocks and pick((False, True))
+    evaluate = pick((False, True))
+    eval_no_grad = pick((True, False)) if evaluate else True
     resume: Resume = pick(("none", "sharded", "full", "native"))
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
@@ -369,7 +376,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         set_to_none=pick((True, False)),
         seed=pick(tuple(range(4))),
         freeze=freeze,
-        evaluate=pick((False, True)),
+        evaluate=evaluate,
+        eval_no_grad=eval_no_grad,
         resume=resume,
         resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )

@@ -436,11 +436,12 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _evaluate(model: nn.Module, config: Config, step: int) -> torch.Tensor:
-    """The loss of a validation batch, in eval mode under ``torch.no_grad()``."""
+    """The loss of a validation batch in eval mode, under ``torch.no_grad()`` unless
+    ``config.eval_no_grad`` is False (then the graph is dropped without a backward)."""
     tokens, targets = batch_of(config, step, _EVAL_MICRO, dist.get_rank())
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad() if config.eval_no_grad else contextlib.nullcontext():
             loss = _loss(model(tokens, False), targets)
     finally:
         model.train()
