@@ -10,6 +10,7 @@ logging) sees them: the differential tester found them missing.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -24,7 +25,7 @@ from shard_testing.differential import Config
 from shard_testing.differential._models import Net, batch_of
 
 
-def _names_after_evaluation(impl: str, strategy: str) -> dict[str, Any]:
+def _names_after_evaluation(impl: str, strategy: str, no_grad: bool = True) -> dict[str, Any]:
     warnings.simplefilter("ignore")
     ns = fsdp_namespace(impl)  # type: ignore[arg-type]
     torch.manual_seed(0)
@@ -48,14 +49,16 @@ def _names_after_evaluation(impl: str, strategy: str) -> dict[str, Any]:
     optim.step()
     optim.zero_grad()
     before = dict(model.named_parameters())
-    with torch.no_grad():
-        evaluated = float(loss())
+    with torch.no_grad() if no_grad else contextlib.nullcontext():
+        evaluated = float(loss())  # without no_grad: a graph dropped without a backward
     after = dict(model.named_parameters())
     same_objects = [n for n in before if after.get(n) is before[n]]
     after["_fsdp_wrapped_module.embed.weight"].requires_grad_(False)
     loss().backward()
     with_grad = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+    params = [p.detach().clone().tolist() for p in model.parameters()]
     return {
+        "params": params,
         "names": list(after),
         "same objects": same_objects == list(before),
         "evaluated": evaluated,
@@ -77,3 +80,23 @@ def test_validation_forward_keeps_named_parameters(rank_pool: RankPool, strategy
         assert our["with_grad"] == their["with_grad"]  # a rank's empty pieces get none
         assert "_fsdp_wrapped_module.embed.weight" not in our["with_grad"]
     assert any("_fsdp_wrapped_module.head.weight" in our["with_grad"] for our in ours)
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "NO_SHARD", "FULL_SHARD"])
+def test_a_forward_without_backward_keeps_named_parameters(
+    rank_pool: RankPool, strategy: str
+) -> None:
+    """A loss computed with autograd on and dropped (its backward never runs) hides nothing:
+    every parameter is listed, as the same objects, and training goes on exactly as after a
+    no_grad evaluation. PyTorch lists the units' views there instead (requires_grad_ on
+    them raises), so the reference is shard's own no_grad run."""
+    reference = rank_pool.run(_names_after_evaluation, 2, "shard", strategy, True)
+    dropped = rank_pool.run(_names_after_evaluation, 2, "shard", strategy, False)
+    for ours, expected in zip(dropped, reference, strict=True):
+        assert ours["names"] == expected["names"]
+        assert len(ours["names"]) == len(list(Net(Config()).parameters()))
+        assert ours["same objects"]
+        assert ours["evaluated"] == expected["evaluated"]
+        assert ours["with_grad"] == expected["with_grad"]
+        assert "_fsdp_wrapped_module.embed.weight" not in ours["with_grad"]
+        assert ours["params"] == expected["params"]

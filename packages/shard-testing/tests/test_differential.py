@@ -311,3 +311,46 @@ def test_resuming_wrapper_units_under_checkpoint_wrapper_changes_nothing(
     optimizer-load), shard resumed trains bit for bit as shard uninterrupted."""
     assert "torch-dcp-fsdp1-checkpoint-wrapper-optimizer-load" in known_bugs_in(config)
     assert rank_pool.run(_resumed_against_uninterrupted, 2, config) == [[], []]
+
+
+def _dropped_graph_against_no_grad(config: Config) -> list[str]:
+    """shard evaluating with autograd on (graph dropped) against shard under no_grad."""
+    reference = run_impl(dataclasses.replace(config, eval_no_grad=True), "shard")
+    dropped = run_impl(config, "shard")
+    assert reference.error is None, reference.error
+    assert dropped.error is None, dropped.error
+    found, _ = compare_traces(reference, dropped, rank=dist.get_rank(), exact=True)
+    return [str(d) for d in found]
+
+
+_FORWARD_WITHOUT_BACKWARD = [
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec()),
+        shard_blocks=shard_blocks,
+        precision="bf16",
+        use_orig_params=orig,
+        strategy=strategy,
+        toggles=(Toggle(0, "embed.weight", False),) if orig else (),
+        clip=0.5,
+        steps=3,
+        evaluate=True,
+        eval_no_grad=False,
+    )
+    for orig, shard_blocks, strategy in (
+        (True, False, "FULL_SHARD"),
+        (True, True, "SHARD_GRAD_OP"),
+        (False, False, "FULL_SHARD"),
+    )
+]
+
+
+@pytest.mark.parametrize(
+    "config", _FORWARD_WITHOUT_BACKWARD, ids=["orig-root", "orig-grad-op", "flat-root"]
+)
+def test_a_forward_without_backward_changes_nothing(rank_pool: RankPool, config: Config) -> None:
+    """Where PyTorch's FSDP1 fails after a forward whose backward never runs (the two
+    torch-fsdp1-forward-without-backward bugs), shard trains bit for bit as it does after
+    the same evaluation under torch.no_grad()."""
+    assert any("forward-without-backward" in name for name in known_bugs_in(config))
+    assert rank_pool.run(_dropped_graph_against_no_grad, 2, config) == [[], []]

@@ -331,6 +331,16 @@ class FlatBufferLayout:
                 owner.module.__dict__[owner.name] = view
         self._views_registered = True
 
+    def show_params_beside_views(self) -> None:
+        if not (self.use_orig_params and self._views_registered):
+            return
+        # The views stay in ``__dict__``, which attribute lookup reads before
+        # ``_parameters``: the modules (and a backward's recomputation) compute with them,
+        # while ``named_parameters()`` lists the original objects again.
+        for spec in self.specs:
+            for owner in spec.owners:
+                owner.module._parameters[owner.name] = spec.param
+
     def copy_gathered_rows(self, rows: slice, out: torch.Tensor) -> None:
         out.copy_(self.unsharded.view(self.world, -1)[rows])
 

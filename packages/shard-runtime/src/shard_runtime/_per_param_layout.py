@@ -160,6 +160,9 @@ class PerParamLayout:
     def hides_params_while_unsharded(self) -> bool:
         return False  # the unsharded faces are registered Parameters
 
+    def show_params_beside_views(self) -> None:
+        pass  # nothing is hidden
+
     @property
     def num_trainable(self) -> int:
         return len(self.trainable)

@@ -481,6 +481,17 @@ class UnitState:
                         unit.reshard_post_forward()
                     else:
                         unit.reshard()
+                elif grad_enabled:
+                    # [Note: a forward whose backward may never come]
+                    # A unit left unsharded for backward (the wrapper's root; SHARD_GRAD_OP,
+                    # NO_SHARD) computes with views in place of its parameters, and the
+                    # backward that would reshard it may never run: a loss computed for
+                    # logging without torch.no_grad(), say. Until then named_parameters()
+                    # would lack them (requires_grad_, clipping, EMA and logging loops see
+                    # nothing), so they are listed again now, the views staying for the
+                    # backward. PyTorch's FSDP1 lists the views themselves there (not
+                    # leaves: requires_grad_ on them raises).
+                    unit.layout.show_params_beside_views()
         if self not in root.post_forward_order:
             root.post_forward_order.append(self)
         if grad_enabled:

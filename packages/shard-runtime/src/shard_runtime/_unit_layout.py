@@ -191,6 +191,14 @@ class UnitLayout(Protocol):
         """
         ...
 
+    def show_params_beside_views(self) -> None:
+        """A forward left the unit unsharded: list its parameters again, keep the views.
+
+        Only where :attr:`hides_params_while_unsharded`; see [Note: a forward whose
+        backward may never come] in ``_state.py``.
+        """
+        ...
+
     def has_unsharded_grads(self) -> bool:
         """Whether any full gradient waits to be reduced."""
         ...

@@ -307,6 +307,47 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "resume='sharded')"
         ),
     ),
+    KnownBug(
+        name="torch-fsdp1-forward-without-backward-lists-views",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.use_orig_params
+            and c.evaluate
+            and not c.eval_no_grad
+            and bool(c.toggles)
+        ),
+        symptom=(
+            "PyTorch's FSDP1 with use_orig_params=True, after a forward with autograd on "
+            "whose backward never runs (a loss computed for logging without "
+            "torch.no_grad()): named_parameters() gives the units' unsharded views, which "
+            "are not leaves, so requires_grad_ on them raises 'you can only change "
+            "requires_grad flags of leaf variables' (units that stay unsharded: the root, "
+            "SHARD_GRAD_OP, NO_SHARD). shard lists the original parameters (right: "
+            "test_a_forward_without_backward_keeps_named_parameters). Minimal: "
+            "Config(front_end='wrapper', blocks=(BlockSpec(),) * 3, toggles=(Toggle(0, "
+            "'embed.weight', False),), strategy='SHARD_GRAD_OP', evaluate=True, "
+            "eval_no_grad=False)"
+        ),
+    ),
+    KnownBug(
+        name="torch-fsdp1-forward-without-backward-mixed-precision",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper" and c.evaluate and not c.eval_no_grad and c.mixed_precision
+        ),
+        symptom=(
+            "PyTorch's FSDP1 under MixedPrecision, after a forward with autograd on whose "
+            "backward never runs: the next step's backward leaves every gradient None "
+            "(use_orig_params=True; clip_grad_norm_ gives 0.0), or the optimizer step fails "
+            "with 'The size of tensor a (244) must match the size of tensor b (488)' (the "
+            "flat gradient left at the unsharded size; use_orig_params=False). In fp32 "
+            "PyTorch trains on. shard trains as after a no_grad evaluation (right: "
+            "test_a_forward_without_backward_changes_nothing). Minimal: "
+            "Config(front_end='wrapper', shard_blocks=False, precision='bf16', "
+            "use_orig_params=False, evaluate=True, eval_no_grad=False)"
+        ),
+    ),
 )
 """Every known, reported difference the CI sample avoids; see [Note: Known bugs]."""
 
