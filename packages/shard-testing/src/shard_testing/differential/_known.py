@@ -78,13 +78,22 @@ def _some_unit_all_frozen(config: Config) -> bool:
     )
 
 
-def _frozen_after_training_at_resume(config: Config) -> bool:
-    """A parameter trained before the resume is frozen when ``set_state_dict`` loads the dicts.
+def _resumes_through_dcp(config: Config) -> bool:
+    """The run resumes through ``get_state_dict``/``set_state_dict``, whose bugs these are.
 
-    Only the resumes through ``torch.distributed.checkpoint.state_dict``: the front ends'
-    own methods (``"native"``) are not that code.
+    The front ends' own methods (``"native"``) are not that code.
     """
-    if config.resume not in ("sharded", "full"):
+    return config.resume in ("sharded", "full")
+
+
+def _forward_without_backward(config: Config) -> bool:
+    """The wrapper runs validation forwards with autograd on whose backward never runs."""
+    return config.front_end == "wrapper" and config.evaluate and not config.eval_no_grad
+
+
+def _frozen_after_training_at_resume(config: Config) -> bool:
+    """A parameter trained before the resume is frozen when ``set_state_dict`` loads the dicts."""
+    if not _resumes_through_dcp(config):
         return False
     steps = _trainable_by_step(config)
     at_load = steps[config.resume_at - 1]
@@ -292,7 +301,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         culprit="torch",
         matches=lambda c: (
             c.front_end == "wrapper"
-            and c.resume in ("sharded", "full")
+            and _resumes_through_dcp(c)
             and any(spec.checkpoint == "wrapper" for spec in c.blocks)
             and (c.shard_blocks or not c.use_orig_params)
         ),
@@ -310,13 +319,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         name="torch-fsdp1-forward-without-backward-lists-views",
         culprit="torch",
-        matches=lambda c: (
-            c.front_end == "wrapper"
-            and c.use_orig_params
-            and c.evaluate
-            and not c.eval_no_grad
-            and bool(c.toggles)
-        ),
+        matches=lambda c: _forward_without_backward(c) and c.use_orig_params and bool(c.toggles),
         symptom=(
             "PyTorch's FSDP1 with use_orig_params=True, after a forward with autograd on "
             "whose backward never runs (a loss computed for logging without "
@@ -333,9 +336,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         name="torch-fsdp1-forward-without-backward-mixed-precision",
         culprit="torch",
-        matches=lambda c: (
-            c.front_end == "wrapper" and c.evaluate and not c.eval_no_grad and c.mixed_precision
-        ),
+        matches=lambda c: _forward_without_backward(c) and c.mixed_precision,
         symptom=(
             "PyTorch's FSDP1 under MixedPrecision, after a forward with autograd on whose "
             "backward never runs: the next step's backward leaves every gradient None "

@@ -355,14 +355,16 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
     return wrapped
 
 
-def _state_dict_api(impl: Impl) -> ModuleType:
-    """Where ``impl`` keeps ``get_state_dict``, ``set_state_dict`` and ``StateDictOptions``.
+def _state_dict_api(config: Config, impl: Impl) -> tuple[ModuleType, Any]:
+    """Where ``impl`` keeps ``get_state_dict`` and ``set_state_dict``, and the options
+    ``config.resume`` asks for (``full_state_dict`` for ``"full"``).
 
     Imported when asked for, as :func:`fsdp_namespace` does: shard-testing does
     not depend on shard-checkpoint.
     """
     name = "torch.distributed.checkpoint.state_dict" if impl == "torch" else "shard_checkpoint"
-    return importlib.import_module(name)
+    api = importlib.import_module(name)
+    return api, api.StateDictOptions(full_state_dict=config.resume == "full")
 
 
 def _save(
@@ -382,8 +384,7 @@ def _save(
         fsdp = ns.FullyShardedDataParallel
         with fsdp.state_dict_type(model, ns.StateDictType.SHARDED_STATE_DICT):
             return model.state_dict(), fsdp.optim_state_dict(model, optim)
-    api = _state_dict_api(impl)
-    options = api.StateDictOptions(full_state_dict=config.resume == "full")
+    api, options = _state_dict_api(config, impl)
     saved: tuple[dict[str, Any], dict[str, Any]] = api.get_state_dict(model, optim, options=options)
     return saved
 
@@ -408,8 +409,7 @@ def _load(
             model.load_state_dict(model_state)
             optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, optim_state))
         return
-    api = _state_dict_api(impl)
-    options = api.StateDictOptions(full_state_dict=config.resume == "full")
+    api, options = _state_dict_api(config, impl)
     api.set_state_dict(
         model, optim, model_state_dict=model_state, optim_state_dict=optim_state, options=options
     )
