@@ -208,6 +208,17 @@ class FlatBufferLayout:
         params = [s.param for s in self.specs]
         return [self.flat_param, *params] if self.flat_param is not None else params
 
+    def source_versions(self) -> tuple[int, ...]:
+        # The originals hold views of the shard (with use_orig_params) but count their own
+        # writes: assigning ``.data`` does not share the shard's counter.
+        return (self.shard._version, *(p._version for p in self.registered_params()))
+
+    def face_versions(self) -> tuple[int, ...]:
+        return ()  # the unsharded buffer is reached only through the compute views
+
+    def write_back_faces(self, kept: tuple[int, ...]) -> bool:
+        return True  # no face: nothing was written
+
     def set_label(self, label: str) -> None:
         pass  # the flat unit's messages name its parameters, which keep their own names
 
@@ -274,6 +285,11 @@ class FlatBufferLayout:
             assert self._on_grad_ready is not None, "init_compute first"
             hook = self.unsharded_param.register_post_accumulate_grad_hook
             self._hook = hook(self._on_grad_ready)  # type: ignore[no-untyped-call]
+        if self._views_registered:
+            # Kept unsharded since a forward (see [Note: a forward whose backward may never
+            # come] in _state.py): views taken while the buffer was frozen carry no
+            # gradient to it, so the next forward gets new ones.
+            self._register_unsharded_views()
 
     def reset_after_apply(self) -> None:
         """Adopt what ``module._apply`` did to the shard (a new dtype or device)."""
@@ -422,12 +438,9 @@ class FlatBufferLayout:
             else:
                 self.flat_param.grad.add_(reduced)
             return
+        self.release_frozen_grads()
         for spec, info in zip(self.shard_specs(), self.shard_meta.params, strict=True):
             if not spec.param.requires_grad:
-                # As PyTorch's wrapper: when its unit's reduction lands, a frozen parameter
-                # loses any gradient it kept (zeros from zero_grad(set_to_none=False), say),
-                # so the optimizer stops stepping it (momentum, weight decay).
-                spec.param.grad = None
                 continue
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
             piece = piece.view(spec.param.shape)  # 1-D, or the full shape on one rank
@@ -435,6 +448,16 @@ class FlatBufferLayout:
                 _set_grad(spec.param, piece.clone())
             else:
                 spec.param.grad.add_(piece)
+
+    def release_frozen_grads(self) -> None:
+        if self.flat_param is not None or self.flat_layout is None:
+            return  # the originals have no gradients of their own, or there are none
+        for spec in self.shard_specs():
+            if not spec.param.requires_grad:
+                # As PyTorch's wrapper: when its unit's backward ends, a frozen parameter
+                # loses any gradient it kept (zeros from zero_grad(set_to_none=False), say),
+                # so the optimizer stops stepping it (momentum, weight decay).
+                spec.param.grad = None
 
     # ------------------------------------------------------------------ helpers
 

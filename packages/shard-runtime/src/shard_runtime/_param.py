@@ -44,6 +44,7 @@ sharded face replaces those axes' ``Replicate()`` by the same dp placement.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -489,6 +490,46 @@ class ShardedParam:
             rows = self.unsharded_blocks()[ranks].contiguous().view(out.shape[0], -1)
         out.copy_(rows.view(out.dtype) if out.dtype != rows.dtype else rows)
 
+    def write_back_own_rows(self) -> bool:
+        """Copy this rank's rows of the unsharded face, which the user wrote, into the shard.
+
+        Only where the face holds the shard's own values: same dtype, no
+        tensor-parallel face, no subclass of its own. Elsewhere the write
+        cannot be carried exactly: ``False``, with a warning that it holds
+        until the unit reshards.
+        """
+        if (
+            self.extension is not None
+            or self.unsharded_spec is not None
+            or self.compute_dtype != self.padded_shard.dtype
+        ):
+            warnings.warn(
+                f"fully_shard: parameter {self.fqn!r} was written in place while unsharded "
+                f"(between forwards that kept it gathered); its {self._face_kind()} cannot be "
+                "carried to the shard exactly, so the write holds only until the module "
+                "reshards (after its next backward). Write the sharded parameter instead: "
+                "call reshard() on the module first.",
+                stacklevel=2,
+            )
+            return False
+        with torch.no_grad():
+            if self.shard_dim == 0:
+                own = self.unsharded_rows_view()[self.shard_rank]
+                self.padded_shard.view(-1).copy_(own)
+            else:
+                self.padded_shard.copy_(self.unsharded_blocks()[self.shard_rank])
+        return True
+
+    def _face_kind(self) -> str:
+        if self.extension is not None:
+            return f"{type(self.padded_shard).__name__} shard"
+        if self.unsharded_spec is not None:
+            return "tensor-parallel face"
+        return (
+            f"{str(self.compute_dtype).removeprefix('torch.')} face (the shard is "
+            f"{str(self.padded_shard.dtype).removeprefix('torch.')})"
+        )
+
     def unsharded_grad(self) -> torch.Tensor | None:
         """The unsharded gradient as a plain tensor of ``data_shape`` (``None``: no gradient).
 
@@ -533,6 +574,15 @@ class ShardedParam:
         """Forget the full gradient and any kept from earlier backwards."""
         self.unsharded_param.grad = None
         self.accumulated_grad = None
+
+    def shard_versions(self) -> tuple[int, int]:
+        """The version counters of the sharded parameter and of the local shard it wraps.
+
+        An optimizer's in-place update counts on the DTensor; a write through
+        ``to_local()`` or ``.data`` on the local tensor only.
+        """
+        local: torch.Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
+        return (self.sharded_param._version, local._version)
 
     def version_tensors(self) -> list[torch.Tensor]:
         """The unsharded tensors whose version counters a gather write must preserve."""

@@ -191,6 +191,25 @@ class PerParamLayout:
     def registered_params(self) -> list[torch.nn.Parameter]:
         return [param for p in self.params for param in (p.sharded_param, p.unsharded_param)]
 
+    def source_versions(self) -> tuple[int, ...]:
+        return tuple(version for p in self.params for version in p.shard_versions())
+
+    def release_frozen_grads(self) -> None:
+        pass  # frozen parameters keep their gradients, as FSDP2's (and a plain model's)
+
+    def face_versions(self) -> tuple[int, ...]:
+        # A gather's writes keep the counters (see [Note: version counters] in _param.py),
+        # so only the user's writes move them.
+        return tuple(p.unsharded_param._version for p in self.params)
+
+    def write_back_faces(self, kept: tuple[int, ...]) -> bool:
+        written = [
+            p
+            for p, version in zip(self.params, kept, strict=True)
+            if p.unsharded_param._version != version
+        ]
+        return all([p.write_back_own_rows() for p in written])  # each one, then all
+
     def set_label(self, label: str) -> None:
         self._label = label
         for p in self.params:

@@ -408,6 +408,7 @@ class UnitState:
             root.on_forward_gather(self.units[0].comm_label)
         for unit in self.units:
             unit.sync_requires_grad()  # See [Note: requires_grad is read at every forward].
+            unit.drop_stale_copy()
             unit.unshard()
         for target in self._forward_prefetch_targets():
             self._prefetch(target)
@@ -481,7 +482,8 @@ class UnitState:
                         unit.reshard_post_forward()
                     else:
                         unit.reshard()
-                elif grad_enabled:
+                    continue
+                if grad_enabled:
                     # [Note: a forward whose backward may never come]
                     # A unit left unsharded for backward (the wrapper's root; SHARD_GRAD_OP,
                     # NO_SHARD) computes with views in place of its parameters, and the
@@ -492,6 +494,8 @@ class UnitState:
                     # backward. PyTorch's FSDP1 lists the views themselves there (not
                     # leaves: requires_grad_ on them raises).
                     unit.layout.show_params_beside_views()
+                # See [Note: a kept unsharded copy is checked before reuse] in _unit.py.
+                unit.keep_unsharded()
         if self not in root.post_forward_order:
             root.post_forward_order.append(self)
         if grad_enabled:
@@ -712,6 +716,8 @@ class UnitState:
             if unit.reshard_after_backward:
                 # Before the reduction allocates its input: see [Note: free, then reduce].
                 unit.reshard()
+            else:
+                unit.keep_unsharded()
             if unit.requires_gradient_sync:
                 # A unit without gradients issues nothing and leaves the others in flight.
                 reductions = unit.reduce_grads()

@@ -24,7 +24,8 @@ Outside backward the hook does one thing more: a root whose last backward
 ran with ``set_is_last_backward(False)`` may still have reductions in flight
 (see [Note: a backward that is not the last] in ``_state.py``). PyTorch leaves
 such a step to the user's care; shard lands them first, so a step taken
-there sees complete gradients instead of missing ones.
+there sees complete gradients instead of missing ones. The hook also counts
+the steps (``_optimizer_steps.py``), for the units kept unsharded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from shard_core.errors import OptimizerStepError
+from shard_runtime._optimizer_steps import count_optimizer_step
 from shard_runtime._unit import TrainingState
 
 if TYPE_CHECKING:
@@ -61,6 +63,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # and a look at each root's reductions in flight.
     if torch.compiler.is_compiling():
         return
+    count_optimizer_step()  # See _optimizer_steps.py.
     if torch._C._current_graph_task_id() == -1:
         for root in list(_ROOTS):
             root.land_reductions()

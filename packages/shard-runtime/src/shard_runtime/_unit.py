@@ -104,7 +104,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,7 @@ from shard_comms.plumbing import (
 )
 from shard_core.protocols import CommCodec, CommHook, EventLike, StreamLike
 from shard_runtime._comm import CommContext, streams_for
+from shard_runtime._optimizer_steps import optimizer_steps
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._reduction import IssuedReduction, Reductions
 from shard_runtime._unit_layout import GradPresence, UnitLayout
@@ -213,6 +214,15 @@ class _PendingGather:
     issued: EventLike  # end of the copy-in and the collective call on the all-gather stream
 
 
+class _KeptFrom(NamedTuple):
+    """What a copy kept unsharded was gathered from: see [Note: a kept unsharded copy is
+    checked before reuse]."""
+
+    optimizer_steps: int  # the process's count when the copy was kept
+    shards: tuple[int, ...]  # the layout's source_versions()
+    faces: tuple[int, ...]  # the layout's face_versions()
+
+
 @dataclass(eq=False)
 class Unit:
     """The engine's communication group; see the module docstring."""
@@ -235,6 +245,9 @@ class Unit:
     _pending_gather: _PendingGather | None = None
     _post_forward_shard: torch.Tensor | None = None  # 1D, rows * gather_numel
     _post_optim_event: EventLike | None = None  # the next all-gather waits for it
+    # what a copy kept unsharded was gathered from; see [Note: a kept unsharded copy is
+    # checked before reuse]
+    _kept_from: _KeptFrom | None = None
     _materialized: bool = False  # no shard on the meta device; checked once per init_compute
     # called once per trainable leaf whose gradient autograd accumulated (the state's hook)
     _on_grad_ready: Callable[[torch.Tensor], None] | None = None
@@ -373,6 +386,53 @@ class Unit:
 
     # ------------------------------------------------------------------ unshard
 
+    # [Note: a kept unsharded copy is checked before reuse]
+    # A unit left unsharded after a forward (the root; reshard_after_forward=False;
+    # SHARD_GRAD_OP, NO_SHARD) or a backward (reshard_after_backward=False) computes its next
+    # forward with the copy it holds (with an int reshard_after_forward, gathers it from the
+    # post-forward group's rows it kept). That copy is stale if its shards were written in
+    # between: an optimizer step after a validation forward, weights swapped in for an
+    # evaluation and restored, load_state_dict, any in-place edit of the parameters.
+    # PyTorch's FSDP1 and FSDP2 reuse it anyway, so the write is silently lost (the forward
+    # sees the old values, the backward's gradients belong to them). shard remembers, when
+    # it keeps a copy, the process's optimizer step count and the version counters of the
+    # shards and of the parameters over them, and reshards the unit before the next forward
+    # if any moved, so that forward gathers again. Where the unsharded parameters themselves
+    # are registered meanwhile (fully_shard's kept units, as FSDP2), a write made to them is
+    # carried into each rank's own rows of the shard first (FSDP2 drops it at the next
+    # reshard). A copy nobody wrote costs one read of each counter.
+    #
+    # Every rank must decide alike, or their collectives stop matching. An optimizer step is
+    # counted, not read from version counters, for that reason (see _optimizer_steps.py);
+    # other writes are seen alike where every rank makes them, as code that writes every
+    # parameter does (a write to an empty tensor counts too). Writes through ``.data`` move
+    # no counter and stay unseen, as in PyTorch.
+
+    def keep_unsharded(self) -> None:
+        """The unit stays unsharded after its forward or backward, or keeps its post-forward
+        group's rows: remember its sources."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            self._kept_from = _KeptFrom(
+                optimizer_steps(), self.layout.source_versions(), self.layout.face_versions()
+            )
+
+    def drop_stale_copy(self) -> None:
+        """Before a forward: reshard a kept copy written since it was kept, carrying writes
+        made to the unsharded parameters into the shards."""
+        kept, self._kept_from = self._kept_from, None
+        if kept is None or self.sharded_state is ShardedState.SHARDED:
+            return
+        moved = kept.optimizer_steps != optimizer_steps() or (
+            kept.shards != self.layout.source_versions()
+        )
+        if not moved and self.sharded_state is ShardedState.UNSHARDED:
+            faces_written = kept.faces != self.layout.face_versions()
+            # Carried into the shards, the writes make the copy stale too.
+            moved = faces_written and self.layout.write_back_faces(kept.faces)
+        if moved:
+            # The copy, or the post-forward group's rows, no longer match the shards.
+            self.reshard()
+
     def unshard(self, *, async_op: bool = False) -> None:
         """Start (or, with ``async_op=False``, complete) the all-gather of this unit."""
         if self.sharded_state is ShardedState.UNSHARDED or self._pending_gather is not None:
@@ -491,6 +551,7 @@ class Unit:
             self.wait_for_unshard()
         self.layout.to_sharded()
         self._post_forward_shard = None
+        self._kept_from = None
         self.sharded_state = ShardedState.SHARDED
 
     def reshard_post_forward(self) -> None:
@@ -513,6 +574,7 @@ class Unit:
         self.reshard()
         self._post_forward_shard = kept
         self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        self.keep_unsharded()
 
     def _check_materialized(self) -> None:
         if self._materialized:
@@ -620,9 +682,13 @@ class Unit:
         all-reduce when it can run at once); everything else is the same code
         (see [Note: Comm hooks on the one reduction path]).
         """
-        if self.layout.num_trainable == 0 or not (
-            self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params
-        ):
+        if self.layout.num_trainable == 0:
+            if self.reshard_after_forward is True:
+                # PyTorch's wrapper drops them when such a unit reshards after forward
+                # (FULL_SHARD, HYBRID_SHARD; its root too), not under SHARD_GRAD_OP.
+                self.layout.release_frozen_grads()
+            return []
+        if not (self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params):
             return []
         # One unit's reductions land in the order issued; see [Note: a backward that is not
         # the last] in _state.py.

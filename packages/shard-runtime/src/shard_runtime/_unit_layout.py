@@ -130,6 +130,31 @@ class UnitLayout(Protocol):
         """Every parameter object the group registers on its modules, either face."""
         ...
 
+    def source_versions(self) -> tuple[int, ...]:
+        """The version counters of what a gather reads: the shards, and the parameters a
+        user or an optimizer writes them through.
+
+        See [Note: a kept unsharded copy is checked before reuse] in ``_unit.py``.
+        """
+        ...
+
+    def face_versions(self) -> tuple[int, ...]:
+        """The version counters of the unsharded parameters registered while unsharded.
+
+        Empty where the modules compute with views nobody else reaches (the
+        flat layout).
+        """
+        ...
+
+    def write_back_faces(self, kept: tuple[int, ...]) -> bool:
+        """Carry what was written to the registered unsharded parameters since their
+        versions were ``kept`` into this rank's shards (its own rows of each).
+
+        ``False`` where some write could not be carried exactly (it warns): the
+        unit then keeps its copy, so the write holds until the unit reshards.
+        """
+        ...
+
     def set_label(self, label: str) -> None:
         """Name the parameters under the unit's qualified name ``label``."""
         ...
@@ -197,6 +222,11 @@ class UnitLayout(Protocol):
         Only where :attr:`hides_params_while_unsharded`; see [Note: a forward whose
         backward may never come] in ``_state.py``.
         """
+        ...
+
+    def release_frozen_grads(self) -> None:
+        """A backward ended with nothing to reduce (every parameter frozen): drop what
+        gradients the frozen parameters kept, as a reduction landing would."""
         ...
 
     def has_unsharded_grads(self) -> bool:
