@@ -64,7 +64,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
             assert config.mesh[-1] % config.reshard_after_forward == 0
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
-    dimensions += ("param_groups", "set_to_none", "eval_no_grad")
+    dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap")
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -75,7 +75,10 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["resume"] == {"none", "sharded", "full", "native"}
     assert values["evaluate"] == values["param_groups"] == {"False", "True"}
     assert values["set_to_none"] == values["eval_no_grad"] == {"False", "True"}
-    assert all(config.evaluate or config.eval_no_grad for config in DRAWN)
+    assert values["eval_swap"] == {"False", "True"}
+    assert all(
+        config.evaluate or (config.eval_no_grad and not config.eval_swap) for config in DRAWN
+    )
 
 
 def test_simplest_choices_come_first() -> None:
@@ -268,3 +271,10 @@ def test_known_bugs_are_documented_and_match_their_minimal_configuration() -> No
         config = eval(minimal.group(1), names)
         assert bug.name in known_bugs_in(config)
     assert known_bugs_in(Config()) == []
+
+
+def test_brief_tells_an_int_from_a_bool() -> None:
+    """``reshard_after_forward=1`` equals ``True`` as a value, but not as a configuration:
+    the brief form (reports, shrunk configurations) keeps it."""
+    assert Config(reshard_after_forward=1).brief() == "Config(reshard_after_forward=1)"
+    assert Config(reshard_after_forward=True).brief() == "Config()"

@@ -167,6 +167,12 @@ class Config:
     """With ``evaluate``: ``False`` runs the validation forward with autograd on and drops
     its graph without a backward (a loss computed for logging without ``torch.no_grad()``),
     so every unit sees a forward whose backward never comes."""
+    eval_swap: bool = False
+    """With ``evaluate``: swap other weights in for the validation forward and back after
+    it, as an EMA or a weight-averaging callback does: every parameter is halved in place
+    before it and restored from a copy after it, through the objects ``parameters()``
+    gave before. Units the validation forward left gathered must not serve the next
+    training forward with the swapped-in values."""
     resume: Resume = "none"
     """At the start of step ``resume_at``: the model's and the optimizer's state dicts
     (``get_state_dict``; ``"full"``: ``full_state_dict=True``; ``"native"``: the front
@@ -217,6 +223,7 @@ class Config:
             "set_to_none": str(self.set_to_none),
             "evaluate": str(self.evaluate),
             "eval_no_grad": str(self.eval_no_grad),
+            "eval_swap": str(self.eval_swap),
             "resume": self.resume,
         }
         for spec in self.blocks:
@@ -242,9 +249,14 @@ class Config:
         parts = [
             f"{f.name}={getattr(self, f.name)!r}"
             for f in fields(self)
-            if getattr(self, f.name) != getattr(default, f.name)
+            if _differs(getattr(self, f.name), getattr(default, f.name))
         ]
         return f"Config({', '.join(parts)})"
+
+
+def _differs(value: object, default: object) -> bool:
+    """``value != default``, telling ``1`` from ``True`` (``reshard_after_forward``)."""
+    return value != default or type(value) is not type(default)
 
 
 def parameter_names(config: Config) -> list[str]:
@@ -351,6 +363,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         auto_wrap = shard_blocks and pick((False, True))
     evaluate = pick((False, True))
     eval_no_grad = pick((True, False)) if evaluate else True
+    eval_swap = pick((False, True)) if evaluate else False
     resume: Resume = pick(("none", "sharded", "full", "native"))
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
@@ -378,6 +391,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         freeze=freeze,
         evaluate=evaluate,
         eval_no_grad=eval_no_grad,
+        eval_swap=eval_swap,
         resume=resume,
         resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )

@@ -91,6 +91,16 @@ def _forward_without_backward(config: Config) -> bool:
     return config.front_end == "wrapper" and config.evaluate and not config.eval_no_grad
 
 
+def _keeps_gathered_units(config: Config) -> bool:
+    """PyTorch keeps some unit gathered after a validation forward: the wrapper's root, or
+    fully_shard's units (in full, or the post-forward group's rows)."""
+    reshard = config.reshard_after_forward
+    if config.front_end == "wrapper" or reshard is False:
+        return True
+    # An int equal to the shard group's size reshards fully, except 1 (a group of one).
+    return not isinstance(reshard, bool) and (reshard < config.mesh[-1] or reshard == 1)
+
+
 def _frozen_after_training_at_resume(config: Config) -> bool:
     """A parameter trained before the resume is frozen when ``set_state_dict`` loads the dicts."""
     if not _resumes_through_dcp(config):
@@ -326,7 +336,9 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "torch.no_grad()): named_parameters() gives the units' unsharded views, which "
             "are not leaves, so requires_grad_ on them raises 'you can only change "
             "requires_grad flags of leaf variables' (units that stay unsharded: the root, "
-            "SHARD_GRAD_OP, NO_SHARD). shard lists the original parameters (right: "
+            "SHARD_GRAD_OP, NO_SHARD), or, in a unit that was wholly frozen, an unfreeze "
+            "lands on the view (a leaf of its own there) and the parameter gets no gradient "
+            "in the next step. shard lists the original parameters (right: "
             "test_a_forward_without_backward_keeps_named_parameters). Minimal: "
             "Config(front_end='wrapper', blocks=(BlockSpec(),) * 3, toggles=(Toggle(0, "
             "'embed.weight', False),), strategy='SHARD_GRAD_OP', evaluate=True, "
@@ -347,6 +359,24 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "test_a_forward_without_backward_changes_nothing). Minimal: "
             "Config(front_end='wrapper', shard_blocks=False, precision='bf16', "
             "use_orig_params=False, evaluate=True, eval_no_grad=False)"
+        ),
+    ),
+    KnownBug(
+        name="torch-kept-unsharded-copy-reused-after-write",
+        culprit="torch",
+        matches=lambda c: c.evaluate and c.eval_swap and _keeps_gathered_units(c),
+        symptom=(
+            "PyTorch's FSDP1 (the root, under every strategy; every unit under "
+            "SHARD_GRAD_OP and NO_SHARD) and FSDP2 (reshard_after_forward=False; an int "
+            "below the shard group's size, or 1, keeps the post-forward group's rows) keep the "
+            "units a validation forward gathered, and the next training forward reuses that "
+            "copy even though the parameters were written in between: weights swapped in "
+            "for the evaluation and restored after it (an EMA callback) stay in effect for "
+            "the next forward, whose loss and gradients belong to the swapped-in values "
+            "(an optimizer step or load_state_dict after the evaluation is lost the same "
+            "way). shard gathers again when the shards were written (right: "
+            "test_weights_swapped_around_evaluation_change_nothing, test_kept_copy.py). "
+            "Minimal: Config(front_end='wrapper', evaluate=True, eval_swap=True)"
         ),
     ),
 )

@@ -437,14 +437,26 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def _evaluate(model: nn.Module, config: Config, step: int) -> torch.Tensor:
     """The loss of a validation batch in eval mode, under ``torch.no_grad()`` unless
-    ``config.eval_no_grad`` is False (then the graph is dropped without a backward)."""
+    ``config.eval_no_grad`` is False (then the graph is dropped without a backward);
+    with ``config.eval_swap`` on halved weights, restored after it."""
     tokens, targets = batch_of(config, step, _EVAL_MICRO, dist.get_rank())
+    params = list(model.parameters())
+    kept: list[torch.Tensor] = []
+    if config.eval_swap:
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in params]
+            for p in params:
+                p.mul_(0.5)
     model.eval()
     try:
         with torch.no_grad() if config.eval_no_grad else contextlib.nullcontext():
             loss = _loss(model(tokens, False), targets)
     finally:
         model.train()
+    if config.eval_swap:
+        with torch.no_grad():
+            for p, value in zip(params, kept, strict=True):
+                p.copy_(value)
     return _local(loss)
 
 
