@@ -245,6 +245,22 @@ _ALL_BUT_HEAD = (
         set_to_none=False,
     )
 )
+# The same for the root and a unit that is not the root (block 0), both wholly frozen
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec(), BlockSpec(kind="lora", side=True)),
+        tied=True,
+        frozen=(
+            *(f"blocks.0.{n}" for n in ("norm.bias", "up.weight", "up.bias", "down.weight")),
+            "blocks.0.down.bias",
+            "norm.weight",
+            "norm.bias",
+        ),
+        toggles=(Toggle(0, "embed.weight", False), Toggle(0, "blocks.0.norm.weight", False)),
+        set_to_none=False,
+    )
+)
 # Weights swapped in around a validation forward where PyTorch gathers again too
 @example(Config(blocks=(BlockSpec(), BlockSpec()), evaluate=True, eval_swap=True, clip=0.5))
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:

@@ -454,9 +454,9 @@ class FlatBufferLayout:
             return  # the originals have no gradients of their own, or there are none
         for spec in self.shard_specs():
             if not spec.param.requires_grad:
-                # As PyTorch's wrapper: when its unit's backward ends, a frozen parameter
-                # loses any gradient it kept (zeros from zero_grad(set_to_none=False), say),
-                # so the optimizer stops stepping it (momentum, weight decay).
+                # As PyTorch's wrapper: a frozen parameter loses any gradient it kept (zeros
+                # from zero_grad(set_to_none=False), say), so the optimizer stops stepping
+                # it (momentum, weight decay).
                 spec.param.grad = None
 
     # ------------------------------------------------------------------ helpers

@@ -477,6 +477,11 @@ class UnitState:
         if len(self._forwards_done) >= len(self.modules):
             self._forwards_done.clear()
             for unit in self.units:
+                if unit.reshard_after_forward is True or not grad_enabled:
+                    # As PyTorch's wrapper at such a forward's end (FULL_SHARD, HYBRID_SHARD,
+                    # the root too; any strategy under no_grad): frozen parameters lose the
+                    # gradients they kept, even in a unit that has nothing to reduce.
+                    unit.layout.release_frozen_grads()
                 if self._reshards_after_forward(unit, grad_enabled):
                     if grad_enabled:
                         unit.reshard_post_forward()

@@ -682,13 +682,9 @@ class Unit:
         all-reduce when it can run at once); everything else is the same code
         (see [Note: Comm hooks on the one reduction path]).
         """
-        if self.layout.num_trainable == 0:
-            if self.reshard_after_forward is True:
-                # PyTorch's wrapper drops them when such a unit reshards after forward
-                # (FULL_SHARD, HYBRID_SHARD; its root too), not under SHARD_GRAD_OP.
-                self.layout.release_frozen_grads()
-            return []
-        if not (self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params):
+        if self.layout.num_trainable == 0 or not (
+            self.layout.has_unsharded_grads() or self.reduce_scatter_unused_params
+        ):
             return []
         # One unit's reductions land in the order issued; see [Note: a backward that is not
         # the last] in _state.py.

@@ -225,8 +225,9 @@ class UnitLayout(Protocol):
         ...
 
     def release_frozen_grads(self) -> None:
-        """A backward ended with nothing to reduce (every parameter frozen): drop what
-        gradients the frozen parameters kept, as a reduction landing would."""
+        """Drop the gradients frozen parameters kept (zeros from
+        ``zero_grad(set_to_none=False)``), where the front end's PyTorch counterpart
+        does: the wrapper when a reduction lands and at the end of some forwards."""
         ...
 
     def has_unsharded_grads(self) -> bool:

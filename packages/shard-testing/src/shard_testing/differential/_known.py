@@ -110,6 +110,24 @@ def _frozen_after_training_at_resume(config: Config) -> bool:
     return any(name not in at_load for trained in steps[: config.resume_at - 1] for name in trained)
 
 
+def _trainable_without_state_at_resume(config: Config) -> bool:
+    """A parameter trainable when ``set_state_dict`` loads has never had a gradient, so the
+    saved optimizer state has none for it (unfrozen, then only on the side branch's odd
+    steps)."""
+    if config.front_end != "fully_shard" or not _resumes_through_dcp(config):
+        return False  # the wrapper's optimizer state dict goes through FSDP1's own code
+    steps = _trainable_by_step(config)
+
+    def stepped(name: str) -> bool:
+        # The side branch runs on even steps only (see _run.run_impl).
+        return any(
+            name in steps[step] and not (".side." in name and step % 2)
+            for step in range(config.resume_at)
+        )
+
+    return any(not stepped(name) for name in steps[config.resume_at - 1])
+
+
 KNOWN_BUGS: tuple[KnownBug, ...] = (
     KnownBug(
         name="fully-shard-replica-all-reduce-order",
@@ -281,6 +299,22 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "in #192307). shard loads what was saved (right). Minimal: "
             "Config(steps=3, toggles=(Toggle(0, 'blocks.0.up.weight', False),), "
             "resume='sharded', resume_at=2)"
+        ),
+    ),
+    KnownBug(
+        name="torch-dcp-refuses-state-missing-for-unstepped-param",
+        culprit="torch",
+        matches=_trainable_without_state_at_resume,
+        symptom=(
+            "PyTorch's set_optimizer_state_dict (torch.distributed.checkpoint.state_dict) "
+            "under fully_shard raises 'Missing optimizer state for parameter ... The "
+            "parameter requires gradients but has no saved optimizer state' when a "
+            "trainable parameter never "
+            "had a gradient before the save (unfrozen, then unused), although the optimizer "
+            "had no state for it to save and torch.optim's own load_state_dict accepts that. "
+            "shard loads the dicts and trains on (right). Minimal: Config(blocks="
+            "(BlockSpec(side=True),), frozen=('blocks.0.side.weight',), toggles=(Toggle(0, "
+            "'blocks.0.side.weight', True),), steps=3, resume='sharded', resume_at=2)"
         ),
     ),
     KnownBug(
