@@ -579,7 +579,7 @@ class ShardedParam:
         """The version counters of the sharded parameter and of the local shard it wraps.
 
         An optimizer's in-place update counts on the DTensor; a write through
-        ``to_local()`` or ``.data`` on the local tensor only.
+        ``to_local()`` on the local tensor only (one through ``.data`` on neither).
         """
         local: torch.Tensor = self.sharded_param._local_tensor  # type: ignore[attr-defined]
         return (self.sharded_param._version, local._version)

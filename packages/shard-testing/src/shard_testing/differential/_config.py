@@ -259,6 +259,12 @@ def _differs(value: object, default: object) -> bool:
     return value != default or type(value) is not type(default)
 
 
+def side_branch_runs(step: int) -> bool:
+    """Whether the blocks' side branches take part in ``step``'s training forwards: on even
+    steps only, so their parameters get no gradient on odd ones."""
+    return step % 2 == 0
+
+
 def parameter_names(config: Config) -> list[str]:
     """The clean names of the model's parameters, in ``named_parameters`` order.
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shard_testing.differential._config import HYBRID, Config, _unit_of, parameter_names
+from shard_testing.differential._config import (
+    HYBRID,
+    Config,
+    _unit_of,
+    parameter_names,
+    side_branch_runs,
+)
 
 __all__ = ["KNOWN_BUGS", "KnownBug", "known_bugs_in"]
 
@@ -119,9 +125,8 @@ def _trainable_without_state_at_resume(config: Config) -> bool:
     steps = _trainable_by_step(config)
 
     def stepped(name: str) -> bool:
-        # The side branch runs on even steps only (see _run.run_impl).
         return any(
-            name in steps[step] and not (".side." in name and step % 2)
+            name in steps[step] and (".side." not in name or side_branch_runs(step))
             for step in range(config.resume_at)
         )
 
@@ -309,9 +314,9 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             "PyTorch's set_optimizer_state_dict (torch.distributed.checkpoint.state_dict) "
             "under fully_shard raises 'Missing optimizer state for parameter ... The "
             "parameter requires gradients but has no saved optimizer state' when a "
-            "trainable parameter never "
-            "had a gradient before the save (unfrozen, then unused), although the optimizer "
-            "had no state for it to save and torch.optim's own load_state_dict accepts that. "
+            "trainable parameter never had a gradient before the save (unfrozen, then "
+            "unused), although the optimizer had no state for it to save and torch.optim's "
+            "own load_state_dict accepts that. "
             "shard loads the dicts and trains on (right). Minimal: Config(blocks="
             "(BlockSpec(side=True),), frozen=('blocks.0.side.weight',), toggles=(Toggle(0, "
             "'blocks.0.side.weight', True),), steps=3, resume='sharded', resume_at=2)"

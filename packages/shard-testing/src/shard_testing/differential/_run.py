@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from shard_testing.compat import Impl, fsdp_namespace
 from shard_testing.differential._compare import Outcome, Snapshot, Trace, compare_traces
-from shard_testing.differential._config import Config
+from shard_testing.differential._config import Config, side_branch_runs
 from shard_testing.differential._models import Block, Net, batch_of
 
 if TYPE_CHECKING:
@@ -168,7 +168,8 @@ def run_impl(config: Config, impl: Impl) -> Trace:
                 tokens, targets = batch_of(config, step, micro, dist.get_rank())
                 phase = "forward"
                 with _gradient_sync(model, config, last):
-                    loss = _loss(model(tokens, step % 2 == 0), targets) / config.microbatches
+                    logits = model(tokens, side_branch_runs(step))
+                    loss = _loss(logits, targets) / config.microbatches
                     phase = "backward"
                     loss.backward()  # type: ignore[no-untyped-call]
                 snapshot.losses.append(_local(loss))
