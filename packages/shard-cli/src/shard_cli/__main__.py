@@ -1,4 +1,17 @@
-"""``python -m shard_cli`` and the ``shard`` console script: ``train``, ``plan``, ``ckpt``."""
+"""``python -m shard_cli`` and the ``shard`` console script: ``train``, ``plan``, ``ckpt``.
+
+[Note: a torch-free parser]
+``shard --help``, ``shard train --help`` and a mistyped flag need only the
+parser, but importing torch takes seconds (``torch.distributed.checkpoint``
+and shard-runtime more). So the parser is built from modules that import
+none of torch, shard-core, shard-comms, shard-runtime or shard-checkpoint:
+``_options.py``, ``_presets.py``, ``_schedule.py``, ``_comm_quant.py``'s
+parsing and help text, ``_finetune_flags.py``, ``_plan_parser.py`` and the
+parsers of ``_ckpt_command.py`` and ``_debug_command.py``. Each command
+imports what it runs once the command line is parsed, and the package's
+public names load on first use ([Note: lazy public names] in
+``__init__.py``). ``tests/test_startup.py`` checks it in a fresh interpreter.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from shard_cli._comm_quant import COMM_QUANT_HELP, check_comm_quant
-from shard_cli._finetune import add_finetuning_flags
+from shard_cli._finetune_flags import add_finetuning_flags
 from shard_cli._options import FRONTENDS, PRECISIONS, STRATEGIES, TrainOptions, resolve_options
 from shard_cli._presets import PRESETS
 from shard_cli._schedule import LR_SCHEDULES
@@ -217,10 +230,10 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``shard`` command line."""
+    """The ``shard`` command line; torch-free (see [Note: a torch-free parser])."""
     from shard_cli._ckpt_command import add_ckpt_parser
     from shard_cli._debug_command import add_debug_parser
-    from shard_cli._plan_command import add_plan_parser
+    from shard_cli._plan_parser import add_plan_parser
 
     parser = argparse.ArgumentParser(
         prog="shard", description="shard: fully sharded data parallel training for PyTorch."

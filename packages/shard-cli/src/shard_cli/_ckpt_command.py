@@ -9,6 +9,10 @@ number of ranks that wrote the checkpoint and the total size, and with
 the newest intact checkpoint beside it); ``consolidate`` is
 shard-checkpoint's streaming export to one safetensors or ``torch.save``
 file.
+
+The parser is part of the one ``shard --help`` builds, so shard-checkpoint
+and torch are imported by the commands when they run, not by this module
+(see [Note: a torch-free parser] in ``__main__.py``).
 """
 
 from __future__ import annotations
@@ -16,22 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shard_checkpoint import (
-    CheckpointError,
-    CorruptCheckpointError,
-    VerifyReport,
-    consolidate,
-    verify_checkpoint,
-)
-from shard_cli._ckpt_inspect import inspect_checkpoint
 from shard_cli._format import format_bytes
+
+if TYPE_CHECKING:
+    from shard_checkpoint import VerifyReport
 
 __all__ = ["add_ckpt_parser"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from shard_checkpoint import CheckpointError, CorruptCheckpointError, verify_checkpoint
+    from shard_cli._ckpt_inspect import inspect_checkpoint
+
     try:
         info = inspect_checkpoint(args.dir)
         verified = verify_checkpoint(info.path) if args.verify else None
@@ -101,6 +103,9 @@ def _verified_line(report: VerifyReport) -> str:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
+    from shard_checkpoint import CheckpointError, consolidate
+    from shard_cli._ckpt_inspect import inspect_checkpoint
+
     try:
         prefix = args.prefix
         if prefix is None:

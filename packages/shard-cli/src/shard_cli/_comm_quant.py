@@ -8,15 +8,18 @@ that order, so equal runs compare equal and ``config.json`` reads back the
 same. Codecs come from the plugin registry by name; the model applies them
 with ``set_comm_codec`` (either front end), with error feedback on the
 gradients.
+
+Parsing and the help text are torch-free, as ``--comm-quant`` is a flag of
+the parser ``shard --help`` builds; the runtime is imported only by
+:func:`apply_comm_quant`, on a rank with a sharded model.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from shard_runtime import FSDPModule, FullyShardedDataParallel
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "COMM_QUANT_HELP",
@@ -103,6 +106,8 @@ def apply_comm_quant(model: nn.Module, parts: tuple[str, ...]) -> None:
     """
     if not parts:
         return
+    from shard_runtime import FSDPModule, FullyShardedDataParallel
+
     codecs = comm_quant_codecs(parts)
     weights, grads = codecs.get("weights"), codecs.get("grads")
     if isinstance(model, (FSDPModule, FullyShardedDataParallel)):

@@ -6,6 +6,9 @@ flight recorder to ``DIR/flight_rank<r>.json`` (shard-comms'
 collectives, then per process group one row per sequence number with every
 rank's collective side by side (``!`` marks a row where ranks disagree), then
 the first difference, the ranks that are behind, and the ranks with no record.
+shard-comms (and torch) are imported when the command runs, not when
+``shard --help`` builds its parser (see [Note: a torch-free parser] in
+``__main__.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
-from shard_comms import format_flight_table, load_flight_dump
-from shard_core.errors import CommError
 
 __all__ = ["add_debug_parser"]
 
@@ -38,6 +38,9 @@ def add_debug_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 
 def _flight(args: argparse.Namespace) -> int:
+    from shard_comms import format_flight_table, load_flight_dump
+    from shard_core.errors import CommError
+
     try:
         records = load_flight_dump(args.dir)
     except (CommError, OSError, ValueError, KeyError) as exc:

@@ -59,7 +59,6 @@ whole (adapters beside their bases, under ``peft``'s names).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 from collections.abc import Sequence
@@ -77,7 +76,6 @@ from shard_cli._strategy import resolve_policy
 __all__ = [
     "PEFT_INSTALL",
     "Finetuning",
-    "add_finetuning_flags",
     "apply_finetuning",
     "check_peft",
     "default_lora_targets",
@@ -134,45 +132,6 @@ class Finetuning:
         """LoRA's ``alpha``: the given one, else twice the rank (a scale of 2)."""
         assert self.lora is not None
         return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora
-
-
-def add_finetuning_flags(p: argparse.ArgumentParser, *, alpha: bool) -> None:
-    """``--lora``, ``--lora-targets``, ``--freeze`` (and ``--lora-alpha``, training only).
-
-    ``shard plan`` takes the same flags (alpha changes no byte), so a plan
-    counts what the run trains; see ``_finetune.py``.
-    """
-    p.add_argument(
-        "--lora",
-        type=int,
-        metavar="RANK",
-        help="add LoRA adapters of this rank (Hugging Face peft; pip install peft) to the "
-        "linear layers of the model's blocks before sharding; the base weights are frozen "
-        "and only the adapters train",
-    )
-    if alpha:
-        p.add_argument(
-            "--lora-alpha",
-            dest="lora_alpha",
-            type=float,
-            metavar="ALPHA",
-            help="scale the adapters' output by ALPHA / RANK (default 2 x RANK)",
-        )
-    p.add_argument(
-        "--lora-targets",
-        dest="lora_targets",
-        metavar="NAMES",
-        help="comma-separated names (or dotted suffixes of names) of the modules that get "
-        "adapters, e.g. q_proj,v_proj (default: every linear layer of the model's blocks)",
-    )
-    p.add_argument(
-        "--freeze",
-        action="append",
-        metavar="PATTERN",
-        help="freeze the parameters whose qualified name matches this shell-style (fnmatch) "
-        "pattern, e.g. 'model.embed_tokens.*' (* matches dots too); repeatable; applied "
-        "after --lora, over its names (...q_proj.base_layer.weight)",
-    )
 
 
 def check_peft() -> None:

@@ -5,7 +5,8 @@ Face ``transformers`` config (a local ``config.json`` or a config class name
 with keyword arguments; nothing is downloaded), always built on the meta
 device by ``_model_source.py`` (shared with ``shard train``). The wrap plan
 is printed as a tree of units, then per-rank memory for each strategy side
-by side; all of it is arithmetic (see ``_plan.py``).
+by side; all of it is arithmetic (see ``_plan.py``). The flags are in
+``_plan_parser.py``, which imports this module only to run the command.
 """
 
 from __future__ import annotations
@@ -21,13 +22,11 @@ import torch
 
 from shard_cli._activations import ActivationProfile, lm_activation_profile
 from shard_cli._blocks import checkpointed_blocks
-from shard_cli._comm_quant import COMM_QUANT_HELP, comm_quant_codecs, parse_comm_quant
-from shard_cli._finetune import Finetuning, add_finetuning_flags, finetuned_source
+from shard_cli._comm_quant import comm_quant_codecs, parse_comm_quant
+from shard_cli._finetune import Finetuning, finetuned_source
 from shard_cli._format import format_bytes
 from shard_cli._model_source import ModelSource, load_model_source, parse_key_values
 from shard_cli._options import (
-    FRONTENDS,
-    PRECISIONS,
     STRATEGIES,
     Frontend,
     Precision,
@@ -44,12 +43,11 @@ from shard_cli._plan import (
     unsharded_memory,
 )
 from shard_cli._plan_comm import comm_per_step, feedback_bytes
-from shard_cli._presets import PRESETS
 from shard_cli._strategy import compute_dtype, resolve_policy
 from shard_core import get_registry
 from shard_core.errors import ShardError
 
-__all__ = ["add_plan_parser", "format_plan", "layout_comparison", "plan_report", "run_plan"]
+__all__ = ["format_plan", "layout_comparison", "plan_report", "run_plan"]
 
 
 # ---------------------------------------------------------------------- report
@@ -400,87 +398,6 @@ def _comm_lines(r: dict[str, Any], heads: list[str], width: int) -> list[str]:
             + "".join(f"{format_bytes(c):>14}" for c in kept)
         )
     return lines
-
-
-def add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``shard plan``."""
-    p = sub.add_parser(
-        "plan",
-        help="print the wrap plan and per-rank memory of a model, without launching anything",
-        description=(
-            "Print the units a wrap policy makes of a model (built on the meta device) and "
-            "what each rank would hold for each strategy, for any world size. Pure "
-            "arithmetic: no process is started and nothing is downloaded."
-        ),
-    )
-    p.add_argument("--preset", choices=list(PRESETS), help="a built-in GPT size (default small)")
-    p.add_argument("--model", help="module:factory returning an nn.Module")
-    p.add_argument(
-        "--hf-config",
-        dest="hf_config",
-        help="a local transformers config.json (file or directory) or a config class name",
-    )
-    p.add_argument(
-        "--hf-arg",
-        dest="hf_args",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config keyword argument (repeatable), e.g. n_layer=48",
-    )
-    p.add_argument("--world-size", dest="world", type=int, default=2, help="ranks (default 2)")
-    p.add_argument(
-        "--strategy",
-        dest="strategies",
-        action="append",
-        choices=STRATEGIES,
-        help="strategies to show (repeatable; default all four)",
-    )
-    p.add_argument("--shard-size", dest="shard_size", type=int, help="hybrid shard group size")
-    p.add_argument("--frontend", choices=FRONTENDS, default="fully_shard")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--cpu-offload", dest="cpu_offload", action="store_true")
-    p.add_argument(
-        "--flat",
-        action="store_true",
-        help="fully_shard with flat_shard_placement (shard matrices on their flattened "
-        "storage) in the strategy columns; the layout table always shows both",
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        dest="activation_checkpointing",
-        action="store_true",
-        help="as shard train --activation-checkpointing: each block keeps only its input "
-        "from forward to backward and recomputes its activations there",
-    )
-    p.add_argument(
-        "--wrap-policy",
-        dest="wrap_policy",
-        default="auto",
-        help="auto (default: blocks for presets, else transformer), blocks, none, or a "
-        "registered policy name",
-    )
-    p.add_argument(
-        "--wrap-option",
-        dest="wrap_options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an option of a registered --wrap-policy (repeatable; VALUE read as JSON when it "
-        "is), e.g. --wrap-policy size --wrap-option min_num_params=1000000",
-    )
-    add_finetuning_flags(p, alpha=False)
-    p.add_argument("--comm-quant", dest="comm_quant", metavar="PARTS", help=COMM_QUANT_HELP)
-    p.add_argument("--batch", type=int, help="sequences per rank for the activation estimate")
-    p.add_argument("--seq", type=int, help="sequence length for the activation estimate")
-    p.add_argument("--d-model", dest="d_model", type=int, help="override the preset's width")
-    p.add_argument("--heads", dest="n_heads", type=int, help="override the preset's heads")
-    p.add_argument("--layers", dest="n_layers", type=int, help="override the preset's blocks")
-    p.add_argument(
-        "--rank", type=int, default=0, help="the rank described (default 0, the largest)"
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(run=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:

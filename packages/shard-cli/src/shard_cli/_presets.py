@@ -4,13 +4,19 @@
 ``shard train``: about a minute on two CPU ranks); the GPT-2 sizes and the
 larger ones are there so ``shard plan`` answers "will it fit" for models
 people know, and so ``shard train`` scales up on GPUs with one flag.
+
+The names are ``--preset``'s choices, so this module stays free of torch:
+the model's config class is imported only when a preset builds one (see
+[Note: lazy public names] in ``__init__.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from shard_cli.gpt import GPTConfig
+if TYPE_CHECKING:
+    from shard_cli.gpt import GPTConfig
 
 __all__ = ["PRESETS", "Preset", "get_preset"]
 
@@ -64,6 +70,8 @@ class Preset:
             raise ValueError(
                 f"preset {self.name!r} uses the corpus' character vocabulary: pass vocab_size"
             )
+        from shard_cli.gpt import GPTConfig
+
         return GPTConfig(
             vocab_size=vocab,
             d_model=d_model or self.d_model,
