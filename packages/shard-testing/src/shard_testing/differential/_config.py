@@ -56,6 +56,7 @@ BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
 Optimizer = Literal["sgd", "adamw"]
 Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
 Resume = Literal["none", "sharded", "full", "native"]
+Accumulate = Literal["no-sync", "sync", "no-sync-keep", "no-all-reduce"]
 
 
 class Pick(Protocol):
@@ -152,7 +153,16 @@ class Config:
     at half the learning rate without weight decay (an empty one is left out)."""
     steps: int = 2
     microbatches: int = 1
-    """Gradient accumulation: all but the last micro-batch run without gradient sync."""
+    """Gradient accumulation over this many micro-batches, as ``accumulate`` says."""
+    accumulate: Accumulate = "no-sync"
+    """With ``microbatches > 1``, what the micro-batches before the last do.
+    ``"no-sync"``: no gradient sync (``set_requires_gradient_sync(False)``, FSDP1's
+    ``no_sync()``). ``"sync"``: nothing is switched off, every micro-batch reduces into the
+    sharded gradient. ``fully_shard`` only: ``"no-sync-keep"``: no gradient sync and
+    ``set_reshard_after_backward(False)``, so the next micro-batch's forward reuses the
+    gathered parameters (FSDP2's advice for accumulation); ``"no-all-reduce"`` (2-D mesh):
+    ``set_requires_all_reduce(False)``, each micro-batch reduce-scatters and only the last
+    all-reduces across replicas."""
     clip: float | None = None
     set_to_none: bool = True
     """``optim.zero_grad(set_to_none=...)`` after each step: ``False`` keeps zero-filled
@@ -219,6 +229,7 @@ class Config:
             "param_groups": str(self.param_groups),
             "steps": str(self.steps),
             "microbatches": str(self.microbatches),
+            "accumulate": self.accumulate if self.microbatches > 1 else "-",
             "clip": str(self.clip is not None),
             "set_to_none": str(self.set_to_none),
             "evaluate": str(self.evaluate),
@@ -371,6 +382,15 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     eval_no_grad = pick((True, False)) if evaluate else True
     eval_swap = pick((False, True)) if evaluate else False
     resume: Resume = pick(("none", "sharded", "full", "native"))
+    microbatches = pick((1, 2))
+    accumulate: Accumulate = "no-sync"
+    if microbatches > 1:
+        ways: list[Accumulate] = ["no-sync", "sync"]
+        if front_end == "fully_shard":
+            ways.append("no-sync-keep")
+            if len(mesh) == 2:
+                ways.append("no-all-reduce")
+        accumulate = pick(ways)
     # base holds the model's shape (the parameter names above come from it); add the rest.
     return replace(
         base,
@@ -390,7 +410,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         # FSDP1's flat parameters cannot be split into groups by original parameter.
         param_groups=use_orig_params and pick((False, True)),
         steps=steps,
-        microbatches=pick((1, 2)),
+        microbatches=microbatches,
+        accumulate=accumulate,
         clip=pick((None, 0.5)),
         set_to_none=pick((True, False)),
         seed=pick(tuple(range(4))),

@@ -190,6 +190,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             c.front_end == "wrapper"
             and c.strategy == "NO_SHARD"
             and c.microbatches > 1
+            and c.accumulate == "no-sync"
             and any(t.requires_grad for t in c.toggles)
         ),
         symptom=(
@@ -246,6 +247,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
             and c.strategy == "NO_SHARD"
             and c.mixed_precision
             and c.microbatches > 1
+            and c.accumulate == "no-sync"
             and c.tied
         ),
         symptom=(

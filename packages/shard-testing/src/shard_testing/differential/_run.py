@@ -479,18 +479,25 @@ def _toggle(model: nn.Module, config: Config, step: int) -> None:
 
 
 @contextlib.contextmanager
-def _gradient_sync(model: nn.Module, config: Config, sync: bool) -> Iterator[None]:
-    """FSDP2's ``set_requires_gradient_sync`` or FSDP1's ``no_sync()`` for accumulation."""
+def _gradient_sync(model: nn.Module, config: Config, last: bool) -> Iterator[None]:
+    """What ``config.accumulate`` switches off for a micro-batch before the last one."""
     unit: Any = model
-    if config.front_end == "fully_shard":
-        if config.microbatches > 1:
-            unit.set_requires_gradient_sync(sync)
+    if config.microbatches == 1 or config.accumulate == "sync":
         yield
-    elif sync:
-        yield
-    else:
-        with unit.no_sync():
+    elif config.front_end == "wrapper":
+        if last:
             yield
+        else:
+            with unit.no_sync():
+                yield
+    else:
+        if config.accumulate == "no-all-reduce":
+            unit.set_requires_all_reduce(last)
+        else:
+            unit.set_requires_gradient_sync(last)
+        if config.accumulate == "no-sync-keep":
+            unit.set_reshard_after_backward(last)
+        yield
 
 
 def _clip(model: nn.Module, config: Config) -> torch.Tensor:
