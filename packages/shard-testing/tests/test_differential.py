@@ -122,6 +122,21 @@ _ALL_BUT_HEAD = (
 )
 @example(Config(precision="bf16-extra", reshard_after_forward=False, microbatches=2))
 @example(Config(front_end="wrapper", precision="bf16", microbatches=2, strategy="SHARD_GRAD_OP"))
+# accumulation the other ways: every micro-batch reducing (NO_SHARD all-reduces the gradient it
+# holds with the new one: seed 2801), kept gathered between micro-batches, replicas reduced last
+@example(
+    Config(
+        front_end="wrapper",
+        shard_blocks=False,
+        strategy="NO_SHARD",
+        microbatches=2,
+        accumulate="sync",
+    )
+)
+@example(Config(blocks=(LORA, BlockSpec()), microbatches=2, accumulate="no-sync-keep", steps=3))
+@example(
+    Config(world_size=4, mesh=(2, 2), blocks=(LORA,), microbatches=2, accumulate="no-all-reduce")
+)
 # FSDP1's flat parameters, the other strategies, prefetch options
 @example(
     Config(

@@ -65,6 +65,19 @@ steps) go straight into the module's ``__dict__``: the parameter was taken
 out of ``_parameters`` and the name is no buffer or submodule, so that is
 exactly what ``nn.Module.__setattr__`` would do, without its checks on every
 gather and free (two per parameter per step).
+
+[Note: an unsplit unit reduces the gradient it holds]
+Accumulating over micro-batches that each reduce (no ``no_sync()``), a unit
+whose buffer is split adds each newly reduced shard to the gradient it holds,
+as PyTorch's wrapper does for its sharded strategies. Where the buffer is not
+split (NO_SHARD, one rank), PyTorch's wrapper lets autograd add the new
+gradient into the reduced one it holds and all-reduces the sum. Both give the
+mean of the micro-batches' gradients, but rounded differently; to give
+PyTorch's values bit for bit, an unsplit unit adds what it holds into the new
+gradient before the reduction and the result replaces it. Only where nothing
+is cast on the way (the held gradient has the gradient's and the reduction's
+dtype); with a mixed-precision ``param_dtype`` the new gradient is reduced
+alone and added, in the held gradient's dtype.
 """
 
 from __future__ import annotations
@@ -114,6 +127,9 @@ class FlatBufferLayout:
         self.keep_low_precision_grads = keep_low_precision_grads
         self.requires_grad = any(s.param.requires_grad for s in specs)
         self._on_grad_ready: Callable[[torch.Tensor], None] | None = None
+        # The reduction in flight carries the reduced gradient held before it: see
+        # [Note: an unsplit unit reduces the gradient it holds].
+        self._held_grads_folded = False
         self.flat_param: nn.Parameter | None = None
         self._hook: torch.utils.hooks.RemovableHandle | None = None
         self._views_registered = False
@@ -424,16 +440,45 @@ class FlatBufferLayout:
         grad = self.unsharded_param.grad
         assert grad is not None
         self.unsharded_param.grad = None
+        self._held_grads_folded = self.world == 1 and self._fold_held_grads(grad, dtype)
         # One gradient for the whole buffer: frozen originals' pieces are sent as they are.
         return (grad if grad.dtype == dtype else grad.to(dtype)), None
+
+    def _fold_held_grads(self, grad: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Add the reduced gradients held from an earlier backward into ``grad``, unsplit.
+
+        See [Note: an unsplit unit reduces the gradient it holds]. Returns
+        whether they were folded in (nothing held counts as folded).
+        """
+        held = self._held_grads()
+        if any(h.dtype != grad.dtype or h.device != grad.device for _, h in held):
+            return False
+        if grad.dtype != dtype:
+            return False
+        for offset, tensor in held:
+            grad.narrow(0, offset, tensor.numel()).add_(tensor.reshape(-1))
+        return True
+
+    def _held_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """The reduced gradients this rank holds, with their offsets in the unsharded buffer."""
+        if self.flat_param is not None:
+            grad = self.flat_param.grad
+            return [] if grad is None else [(0, grad)]
+        return [
+            (info.offset_in_range, spec.param.grad)
+            for spec, info in zip(self.shard_specs(), self.shard_meta.params, strict=True)
+            if spec.param.grad is not None and spec.param.requires_grad
+        ]
 
     def accumulate(
         self, output: torch.Tensor, presence: GradPresence, *, zero_unused: bool, bucket: int = 0
     ) -> None:
         dtype = self.gather_dtype if self.keep_low_precision_grads else self.shard.dtype
         reduced = output.to(device=self.shard.device, dtype=dtype)
+        replace = self._held_grads_folded  # the reduction holds them already
+        self._held_grads_folded = False
         if self.flat_param is not None:
-            if self.flat_param.grad is None:
+            if self.flat_param.grad is None or replace:
                 _set_grad(self.flat_param, reduced)  # a fresh buffer per reduction: adopt it
             else:
                 self.flat_param.grad.add_(reduced)
@@ -444,7 +489,7 @@ class FlatBufferLayout:
                 continue
             piece = reduced.narrow(0, info.offset_in_range, info.numel_in_range)
             piece = piece.view(spec.param.shape)  # 1-D, or the full shape on one rank
-            if spec.param.grad is None:
+            if spec.param.grad is None or replace:
                 _set_grad(spec.param, piece.clone())
             else:
                 spec.param.grad.add_(piece)
