@@ -21,6 +21,11 @@ and machine. This script trains :class:`gpt.GPT` on synthetic tokens six ways
   shard-comm-quant's int8 all-gathers and int8 reductions with error
   feedback); their losses differ from ``single``'s by the quantization, so
   they are held to ``--quant-loss-rtol`` instead of ``--loss-rtol``;
+- ``shard_fsdp_release`` / ``shard_fsdp1_release`` (not in the default set):
+  ``shard_fsdp`` / ``shard_fsdp1`` with
+  ``set_release_host_memory_after_backward(True)``: the heap glibc keeps
+  from each step's frees goes back to the OS at the end of every backward
+  (see [Note: host memory the allocator keeps] in shard-runtime);
 
 each in its own freshly spawned processes (gloo, ``torch.set_num_threads(
 cores // world_size)`` in every process, ``single``'s included), so one
@@ -141,9 +146,17 @@ from spawn import run_ranks
 
 DEFAULT_IMPLS = ("single", "ddp", "torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1")
 QUANT_IMPLS = ("shard_fsdp_quant", "shard_fsdp1_quant")
-IMPLS = (*DEFAULT_IMPLS, *QUANT_IMPLS)
-FSDP_IMPLS = ("torch_fsdp", "shard_fsdp", "torch_fsdp1", "shard_fsdp1", *QUANT_IMPLS)
-FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1", "shard_fsdp1_quant")
+RELEASE_IMPLS = ("shard_fsdp_release", "shard_fsdp1_release")
+IMPLS = (*DEFAULT_IMPLS, *QUANT_IMPLS, *RELEASE_IMPLS)
+FSDP_IMPLS = (
+    "torch_fsdp",
+    "shard_fsdp",
+    "torch_fsdp1",
+    "shard_fsdp1",
+    *QUANT_IMPLS,
+    *RELEASE_IMPLS,
+)
+FLAT_IMPLS = ("torch_fsdp1", "shard_fsdp1", "shard_fsdp1_quant", "shard_fsdp1_release")
 TORCH_IMPLS = ("torch_fsdp", "torch_fsdp1")
 # Where each FSDP implementation's names live (its ``wrap`` policies in ``<namespace>.wrap``).
 _FSDP_NAMESPACES = {
@@ -153,6 +166,8 @@ _FSDP_NAMESPACES = {
     "shard_fsdp1": "shard_runtime",
     "shard_fsdp_quant": "shard_runtime",
     "shard_fsdp1_quant": "shard_runtime",
+    "shard_fsdp_release": "shard_runtime",
+    "shard_fsdp1_release": "shard_runtime",
 }
 # (shard's implementation, PyTorch's it is measured against); ratios are taken
 # against every reference present, targets for every shard implementation.
@@ -161,6 +176,8 @@ PAIRS = (
     ("shard_fsdp1", "torch_fsdp1"),
     ("shard_fsdp_quant", "torch_fsdp"),
     ("shard_fsdp1_quant", "torch_fsdp1"),
+    ("shard_fsdp_release", "torch_fsdp"),
+    ("shard_fsdp1_release", "torch_fsdp1"),
 )
 QUANT_LOSS_RTOL = 2e-2  # quantized communication: see the module docstring
 WIRE_BYTES_TARGET = 0.30  # issue #27: quantized bytes on the wire at most 0.3x PyTorch's fp32
@@ -429,6 +446,8 @@ def _wrap(
         raise ValueError(f"unknown implementation {impl!r}; choose from {', '.join(IMPLS)}")
     # PyTorch's and shard's FSDP are set up by the same calls on their own names.
     fsdp = importlib.import_module(_FSDP_NAMESPACES[impl])
+    if impl in RELEASE_IMPLS:
+        fsdp.set_release_host_memory_after_backward(True)
     if impl not in FLAT_IMPLS:
         policy = fsdp.MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
         for block in model.iter_blocks():
@@ -954,7 +973,10 @@ def _parse(argv: list[str] | None) -> _Args:
     parser.add_argument(
         "--impls",
         default=",".join(DEFAULT_IMPLS),
-        help=f"comma-separated subset of {','.join(IMPLS)} (default: all but the *_quant ones)",
+        help=(
+            f"comma-separated subset of {','.join(IMPLS)} "
+            "(default: all but the *_quant and *_release ones)"
+        ),
     )
     parser.add_argument(
         "--comm-quant",

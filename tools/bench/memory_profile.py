@@ -90,18 +90,16 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import FLAT_IMPLS, PAIRS, _wrap
+from bench_train import _FSDP_NAMESPACES, FLAT_IMPLS, PAIRS, QUANT_IMPLS, _wrap
 from soak import MallInfo2
 from spawn import run_ranks
 
 from shard_cli.gpt import GPT, Block, GPTConfig, synthetic_tokens
 
-_NAMESPACES = {
-    "torch_fsdp": "torch.distributed.fsdp",
-    "torch_fsdp1": "torch.distributed.fsdp",
-    "shard_fsdp": "shard_runtime",
-    "shard_fsdp1": "shard_runtime",
-}
+# Every FSDP implementation of bench_train but the quantized ones (whose traffic is not what
+# this profiles); the four plain ones by default.
+_NAMESPACES = {k: v for k, v in _FSDP_NAMESPACES.items() if k not in QUANT_IMPLS}
+_DEFAULT_IMPLS = ("torch_fsdp", "torch_fsdp1", "shard_fsdp", "shard_fsdp1")
 CATEGORIES = ("params", "grads", "optim", "comm cache", "other")
 Point = tuple[int, str, int, int, int]  # step, label, rss, heap in use, heap free
 
@@ -598,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="default cores // world")
     # The quantized implementations need bench_train's --comm-quant: profile those there.
-    parser.add_argument("--impls", default=",".join(_NAMESPACES))
+    parser.add_argument("--impls", default=",".join(_DEFAULT_IMPLS))
     parser.add_argument(
         "--timeline", action="store_true", help="RSS and heap at every block boundary"
     )

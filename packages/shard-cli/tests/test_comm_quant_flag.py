@@ -113,7 +113,9 @@ def test_plan_prints_bytes_per_step_with_and_without(capsys: pytest.CaptureFixtu
 
 
 def test_train_sends_what_the_plan_says(tmp_path: Path) -> None:
-    """Two ranks with --comm-quant weights,grads=int4 count the plan's bytes; the loss falls."""
+    """Two ranks with --comm-quant weights,grads=int4 count the plan's bytes; the loss falls.
+
+    --release-host-memory rides along (it changes no value): the run says it and keeps it."""
     tiny = ["--preset", "tiny", "--batch", "4", "--seq", "32"]
     result = subprocess.run(
         [
@@ -128,6 +130,7 @@ def test_train_sends_what_the_plan_says(tmp_path: Path) -> None:
             "0",
             "--comm-quant",
             "weights,grads=int4",
+            "--release-host-memory",
             "--run-dir",
             "r",
         ],
@@ -138,9 +141,13 @@ def test_train_sends_what_the_plan_says(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "quantized communication (weights=int8, grads=int4)" in result.stdout
+    assert (
+        "quantized communication (weights=int8, grads=int4), host memory released after every "
+        "backward" in result.stdout
+    )
     summary = json.loads((tmp_path / "r" / "summary.json").read_text("utf-8"))
     assert summary["options"]["comm_quant"] == ["weights=int8", "grads=int4"]
+    assert summary["options"]["release_host_memory"] is True
     assert summary["last_loss"] < summary["first_loss"]
     plan = subprocess.run(
         [

@@ -73,6 +73,7 @@ def test_new_options_default_off_and_are_in_the_effective_config() -> None:
             "activation_checkpointing",
             "compile",
             "tensorboard",
+            "release_host_memory",
         )
     } == {
         "warmup_steps": 0,
@@ -83,6 +84,7 @@ def test_new_options_default_off_and_are_in_the_effective_config() -> None:
         "activation_checkpointing": False,
         "compile": False,
         "tensorboard": False,
+        "release_host_memory": False,
     }
     assert TrainOptions.from_json(stored) == options
 

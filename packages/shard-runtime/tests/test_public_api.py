@@ -44,6 +44,8 @@ FRONT_DOOR = [
     "fully_shard",
     "lambda_auto_wrap_policy",
     "register_fsdp_forward_method",
+    "release_host_memory",
+    "set_release_host_memory_after_backward",
     "share_comm_ctx",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",

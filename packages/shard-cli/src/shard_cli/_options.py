@@ -62,6 +62,7 @@ RESUMABLE_CHANGES = frozenset(
         "activation_checkpointing",
         "compile",
         "tensorboard",
+        "release_host_memory",
         # What crosses the wire; the checkpoint keeps full precision either way.
         "comm_quant",
     }
@@ -147,6 +148,9 @@ class TrainOptions:
             sharding (after the LoRA adapters are added).
         comm_quant: What is quantized on the wire, as ``("weights=int8",
             "grads=int8")`` (see ``_comm_quant.py``); ``()``: nothing.
+        release_host_memory: Give the heap memory each step freed back to
+            the OS at the end of every backward
+            (``shard_runtime.set_release_host_memory_after_backward``).
     """
 
     preset: str = "small"
@@ -192,6 +196,7 @@ class TrainOptions:
     lora_targets: tuple[str, ...] | None = None
     freeze: tuple[str, ...] = ()
     comm_quant: tuple[str, ...] = ()
+    release_host_memory: bool = False
 
     def __post_init__(self) -> None:
         # JSON (config.json), a config file and argparse give lists or a comma-separated
@@ -395,7 +400,7 @@ def resolve_options(given: dict[str, Any]) -> TrainOptions:
     ``sample_chars``, ``measure_step``, ``timeout_s``, ``max_restarts``,
     how the model is sharded (``frontend``, ``strategy``, ``shard_size``, ``cpu_offload``,
     ``wrap_policy``) and how it runs (``activation_checkpointing``, ``compile``,
-    ``tensorboard``) may change; ``steps`` not under a cosine schedule.
+    ``tensorboard``, ``release_host_memory``) may change; ``steps`` not under a cosine schedule.
 
     Raises:
         ValueError: a flag is out of range, or a resume changes an option the

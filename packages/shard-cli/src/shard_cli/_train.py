@@ -131,7 +131,11 @@ from shard_comms import (
 )
 from shard_comms.plumbing import SHARD_STORE_ENV, collective_failure
 from shard_core.errors import CollectiveError, ShardError
-from shard_runtime import FSDPModule, FullyShardedDataParallel
+from shard_runtime import (
+    FSDPModule,
+    FullyShardedDataParallel,
+    set_release_host_memory_after_backward,
+)
 
 __all__ = ["predict", "predict_ranks", "run_worker"]
 
@@ -432,6 +436,7 @@ class _Run:
             use_orig_params=self.trainable < self.parameters,
         )
         apply_comm_quant(self.model, options.comm_quant)
+        set_release_host_memory_after_backward(options.release_host_memory)
         materialise_sharded(
             self.model,
             self.source,
@@ -789,6 +794,8 @@ class _Run:
             parts.append("compiled blocks")
         if o.comm_quant:
             parts.append(f"quantized communication ({', '.join(o.comm_quant)})")
+        if o.release_host_memory:
+            parts.append("host memory released after every backward")
         return "".join(f", {p}" for p in parts)
 
     def _short_name(self) -> str:

@@ -17,6 +17,7 @@ from shard_runtime._fully_shard import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from shard_runtime._host_memory import release_host_memory, set_release_host_memory_after_backward
 from shard_runtime._mesh_groups import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult
 from shard_runtime._options import (
     CPUOffloadPolicy,
@@ -95,6 +96,8 @@ __all__ = [
     "fully_shard",
     "lambda_auto_wrap_policy",
     "register_fsdp_forward_method",
+    "release_host_memory",
+    "set_release_host_memory_after_backward",
     "share_comm_ctx",
     "size_based_auto_wrap_policy",
     "transformer_auto_wrap_policy",
