@@ -36,7 +36,9 @@ _SETUPS = [
     ("wrapper", "NO_SHARD", True),
     ("fully_shard", "True", True),
     ("fully_shard", "False", True),
+    ("fully_shard", "1", True),  # a post-forward group of one rank: the full rows kept
 ]
+_RESHARD: dict[str, bool | int] = {"True": True, "False": False, "1": 1}
 
 
 def _build(impl: str, front: str, strategy: str, use_orig_params: bool) -> nn.Module:
@@ -45,8 +47,8 @@ def _build(impl: str, front: str, strategy: str, use_orig_params: bool) -> nn.Mo
     torch.manual_seed(0)
     net = Net(Config())
     if front == "fully_shard":
-        ns.fully_shard(net.blocks[0], reshard_after_forward=strategy == "True")
-        model: nn.Module = ns.fully_shard(net, reshard_after_forward=strategy == "True")
+        ns.fully_shard(net.blocks[0], reshard_after_forward=_RESHARD[strategy])
+        model: nn.Module = ns.fully_shard(net, reshard_after_forward=_RESHARD[strategy])
         return model
     kwargs: dict[str, Any] = {
         "sharding_strategy": ns.ShardingStrategy[strategy],
@@ -69,18 +71,27 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
     optim.zero_grad()
 
 
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's state dict (the front end's own ``state_dict``)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 _BETWEEN: dict[str, Callable[[nn.Module, torch.optim.Optimizer], None]] = {
     "in-place edit": _halve,
     "optimizer step": _step,
+    "load_state_dict": lambda model, optim: None,  # see _train: it needs the saved state
 }
 
 
 def _train(
     front: str, strategy: str, use_orig_params: bool, between: str, evaluate: bool
 ) -> list[float]:
-    """Train a step, maybe evaluate, write the parameters, train two steps; the losses."""
+    """Train a step, maybe evaluate, write the parameters, train two steps; the losses.
+
+    ``load_state_dict`` loads the state the model started from (a rollback)."""
     model = _build("shard", front, strategy, use_orig_params)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    initial = _state(model) if between == "load_state_dict" else {}
     config = Config()
     tokens, targets = batch_of(config, 0, 0, dist.get_rank())
 
@@ -89,12 +100,14 @@ def _train(
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     loss().backward()
-    if between == "in-place edit":
+    if between != "optimizer step":
         _step(model, optim)
     if evaluate:
         with torch.no_grad():
             loss()
     _BETWEEN[between](model, optim)
+    if initial:
+        model.load_state_dict(initial)
     losses = []
     for _ in range(2):
         value = loss()

@@ -248,6 +248,7 @@ class UnitState:
             module.register_forward_pre_hook(pre_forward_entry, prepend=True, with_kwargs=True)
             module.register_forward_hook(post_forward_entry, with_kwargs=True)
             module.register_state_dict_pre_hook(self._state_dict_pre_hook)  # type: ignore[no-untyped-call]
+            module.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)  # type: ignore[no-untyped-call]
         # Sharded inner-first: every state below that has no parent yet is a child of this one.
         for inner in states_in(modules):
             if inner is not self and inner.parent is None:
@@ -790,6 +791,17 @@ class UnitState:
     # ------------------------------------------------------------------ state dict
 
     def _state_dict_pre_hook(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._to_sharded()
+
+    def _load_state_dict_pre_hook(self, module: nn.Module, *args: object) -> None:
+        # A unit a forward left gathered registers its unsharded parameters (fully_shard), into
+        # which a sharded state dict cannot be copied; the wrapper's own load (a hook of its
+        # own, registered after this one) writes the shards.
+        self._to_sharded()
+
+    def _to_sharded(self) -> None:
+        """Land the reductions in flight and reshard the units left gathered: what a state
+        dict is read from and loaded into is the sharded parameters."""
         self.land_reductions()  # See [Note: a backward that is not the last].
         for unit in self.units:
             if unit.sharded_state is ShardedState.UNSHARDED:
