@@ -208,6 +208,21 @@ _ALL_BUT_HEAD = (
         offload=True,
     )
 )
+# the front end's own state dicts loaded back into the same model after an evaluation that
+# left units gathered (fully_shard's load_state_dict raised before its pre-load reshard)
+@example(
+    Config(reshard_after_forward=False, steps=3, evaluate=True, resume="in-place", resume_at=2)
+)
+@example(
+    Config(
+        front_end="wrapper",
+        strategy="SHARD_GRAD_OP",
+        blocks=(LORA,),
+        optimizer="adamw",
+        evaluate=True,
+        resume="in-place",
+    )
+)
 # checkpoint_wrapper inside the root unit: state dicts keyed without its segment
 @example(
     Config(

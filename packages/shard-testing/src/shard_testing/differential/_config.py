@@ -55,7 +55,7 @@ Prefetch = Literal["none", "explicit"]
 BackwardPrefetch = Literal["BACKWARD_PRE", "BACKWARD_POST", "none"]
 Optimizer = Literal["sgd", "adamw"]
 Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
-Resume = Literal["none", "sharded", "full", "native"]
+Resume = Literal["none", "sharded", "full", "native", "in-place"]
 Accumulate = Literal["no-sync", "sync", "no-sync-keep", "no-all-reduce"]
 
 
@@ -187,7 +187,9 @@ class Config:
     """At the start of step ``resume_at``: the model's and the optimizer's state dicts
     (``get_state_dict``; ``"full"``: ``full_state_dict=True``; ``"native"``: the front
     end's own ``state_dict`` methods) are loaded into a freshly built, differently
-    initialised model and optimizer, which train the remaining steps. See
+    initialised model and optimizer, which train the remaining steps. ``"in-place"``:
+    the front end's own state dicts, taken before that step's evaluation, are loaded
+    back into the same model and optimizer after it (into units it left gathered). See
     [Note: resuming] in ``_run.py``."""
     resume_at: int = 1
     freeze: Freeze = field(default="none", compare=False)
@@ -381,7 +383,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     evaluate = pick((False, True))
     eval_no_grad = pick((True, False)) if evaluate else True
     eval_swap = pick((False, True)) if evaluate else False
-    resume: Resume = pick(("none", "sharded", "full", "native"))
+    resume: Resume = pick(("none", "sharded", "full", "native", "in-place"))
     microbatches = pick((1, 2))
     accumulate: Accumulate = "no-sync"
     if microbatches > 1:

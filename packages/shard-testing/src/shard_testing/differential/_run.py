@@ -42,7 +42,11 @@ optimizer; the wrapper's under ``SHARDED_STATE_DICT`` with
 and optimizer are dropped. Both libraries must then train on exactly as
 before; the state dicts' keys are compared too (``Snapshot.state_keys``).
 No file is written: the state dicts are what DCP would save, and DCP's own
-round trip is shard-checkpoint's tests' business.
+round trip is shard-checkpoint's tests' business. ``"in-place"`` loads the
+front end's own state dicts, taken before the step's evaluation, back into
+the same model and optimizer after it instead (a rollback, or a checkpoint
+loaded mid-run): the values stay, but the load must go through whatever the
+evaluation left gathered and leave training as it was.
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ def run_impl(config: Config, impl: Impl) -> Trace:
         trace.names = [name for name, _ in model.named_parameters()]
         for step in range(config.steps):
             snapshot = Snapshot()
-            if config.resume != "none" and step == config.resume_at:
+            if config.resume not in ("none", "in-place") and step == config.resume_at:
                 phase = "state_dict"
                 model_state, optim_state = _save(model, optim, config, impl)
                 snapshot.state_keys = _state_keys(model_state, optim_state)
@@ -158,9 +162,18 @@ def run_impl(config: Config, impl: Impl) -> Trace:
                     _toggle(model, config, before)
                 _load(model, optim, model_state, optim_state, config, impl)
                 del model_state, optim_state
+            in_place = config.resume == "in-place" and step == config.resume_at
+            if in_place:
+                phase = "state_dict"
+                model_state, optim_state = _save(model, optim, config, impl)
+                snapshot.state_keys = _state_keys(model_state, optim_state)
             if config.evaluate and step > 0:
                 phase = "evaluate"
                 snapshot.eval_loss = _evaluate(model, config, step)
+            if in_place:
+                phase = "load_state_dict"
+                _load(model, optim, model_state, optim_state, config, impl)
+                del model_state, optim_state
             phase = "requires_grad_"
             _toggle(model, config, step)
             for micro in range(config.microbatches):
@@ -368,6 +381,10 @@ def _state_dict_api(config: Config, impl: Impl) -> tuple[ModuleType, Any]:
     return api, api.StateDictOptions(full_state_dict=config.resume == "full")
 
 
+_NATIVE = ("native", "in-place")
+"""The resumes through the front end's own ``state_dict`` and ``load_state_dict`` methods."""
+
+
 def _save(
     model: nn.Module, optim: torch.optim.Optimizer, config: Config, impl: Impl
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -378,7 +395,7 @@ def _save(
     wrapper ``SHARDED_STATE_DICT`` with ``FullyShardedDataParallel.optim_state_dict``.
     Otherwise ``get_state_dict`` (``full_state_dict`` for ``"full"``).
     """
-    if config.resume == "native":
+    if config.resume in _NATIVE:
         if config.front_end == "fully_shard":
             return model.state_dict(), optim.state_dict()
         ns = fsdp_namespace(impl)
@@ -398,8 +415,9 @@ def _load(
     config: Config,
     impl: Impl,
 ) -> None:
-    """Load what :func:`_save` gave into a fresh model and optimizer, the same way."""
-    if config.resume == "native":
+    """Load what :func:`_save` gave into a model and optimizer (fresh ones, or for
+    ``"in-place"`` the same), the same way."""
+    if config.resume in _NATIVE:
         if config.front_end == "fully_shard":
             model.load_state_dict(model_state)
             optim.load_state_dict(optim_state)
