@@ -64,7 +64,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
             assert config.mesh[-1] % config.reshard_after_forward == 0
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
-    dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap")
+    dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap", "accumulate")
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -72,13 +72,21 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["toggles"] == {"none", "freeze", "unfreeze", "freeze+unfreeze"}
     assert values["freeze"] == {"none", "adapters", "bias-norm", "units", "subset"}
     assert len(values["precision"]) == 4
-    assert values["resume"] == {"none", "sharded", "full", "native"}
+    assert values["resume"] == {"none", "sharded", "full", "native", "in-place"}
+    assert values["accumulate"] == {"-", "no-sync", "sync", "no-sync-keep", "no-all-reduce"}
     assert values["evaluate"] == values["param_groups"] == {"False", "True"}
     assert values["set_to_none"] == values["eval_no_grad"] == {"False", "True"}
     assert values["eval_swap"] == {"False", "True"}
     assert all(
         config.evaluate or (config.eval_no_grad and not config.eval_swap) for config in DRAWN
     )
+    # What each accumulation switches off exists only where it is drawn.
+    for config in DRAWN:
+        if config.microbatches == 1:
+            assert config.accumulate == "no-sync"
+        elif config.accumulate in ("no-sync-keep", "no-all-reduce"):
+            assert config.front_end == "fully_shard"
+            assert config.accumulate == "no-sync-keep" or len(config.mesh) == 2
 
 
 def test_simplest_choices_come_first() -> None:
