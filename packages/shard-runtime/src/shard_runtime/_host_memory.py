@@ -16,10 +16,11 @@ every free page, not only the heap's top). With
 :func:`set_release_host_memory_after_backward`, shard does so at the end of
 every backward of every root unit, when the step's activations and gathered
 parameters have just been freed. The price is the page faults the next
-step takes to get the memory back: measured on the standing benchmark,
-peak RSS per rank 0.92-0.94x PyTorch's for 1.05-1.07x its step time. It is off by
-default, and a no-op where the C library has no ``malloc_trim`` (musl,
-macOS, Windows).
+step takes to get the memory back, and a step fragments the heap anew as it
+runs, so less comes back than was free: measured on the standing benchmark,
+peak RSS per rank 0.93-0.98x PyTorch's for 1.06-1.12x its step time (shard
+without it: 1.01-1.05x and 0.92-0.96x). It is off by default, and a no-op
+where the C library has no ``malloc_trim`` (musl, macOS, Windows).
 """
 
 from __future__ import annotations
