@@ -1,6 +1,6 @@
 """Fuzz shard against PyTorch's FSDP for N minutes and report every discrepancy.
 
-    python tools/fuzz/run.py --minutes 10 --report fuzz.md [--seed 0] [--world-sizes 2,4]
+    python tools/fuzz/run.py --minutes 10 --report fuzz.md [--seed 0] [--world-sizes 2,3,4]
 
 Hypothesis draws configurations (``shard_testing.differential.config_strategy``)
 in rounds of a few dozen; each runs under both libraries on a persistent
@@ -307,8 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed of the first round")
     parser.add_argument(
         "--world-sizes",
-        default="2,4",
-        help="comma-separated world sizes to draw from (default: 2,4)",
+        default="2,3,4",
+        help="comma-separated world sizes to draw from (default: 2,3,4; 3 shards unevenly)",
     )
     parser.add_argument("--no-shrink", action="store_true", help="record failures unshrunk")
     parser.add_argument(
