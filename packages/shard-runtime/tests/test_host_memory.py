@@ -44,13 +44,13 @@ def test_release_gives_back_a_fragmented_heap() -> None:
 
 
 def test_the_switch_takes_a_bool_only() -> None:
-    assert _host_memory.release_host_memory_after_backward() is False  # off by default
+    assert _host_memory.releases_after_backward() is False  # off by default
     with pytest.raises(TypeError) as error:
         shard_runtime.set_release_host_memory_after_backward(1)  # type: ignore[arg-type]
     assert str(error.value) == (
         "set_release_host_memory_after_backward(enabled) takes a bool, got int 1"
     )
-    assert _host_memory.release_host_memory_after_backward() is False
+    assert _host_memory.releases_after_backward() is False
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,7 @@ class FlatBufferLayout:
         return ()  # the unsharded buffer is reached only through the compute views
 
     def write_back_faces(self, kept: tuple[int, ...]) -> bool:
-        return True  # no face: nothing was written
+        return False  # no face: nothing was written
 
     def set_label(self, label: str) -> None:
         pass  # the flat unit's messages name its parameters, which keep their own names
@@ -450,10 +450,10 @@ class FlatBufferLayout:
         See [Note: an unsplit unit reduces the gradient it holds]. Returns
         whether they were folded in (nothing held counts as folded).
         """
+        if grad.dtype != dtype:
+            return False
         held = self._held_grads()
         if any(h.dtype != grad.dtype or h.device != grad.device for _, h in held):
-            return False
-        if grad.dtype != dtype:
             return False
         for offset, tensor in held:
             grad.narrow(0, offset, tensor.numel()).add_(tensor.reshape(-1))

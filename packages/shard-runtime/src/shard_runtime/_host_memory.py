@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 __all__ = [
     "release_host_memory",
-    "release_host_memory_after_backward",
+    "releases_after_backward",
     "set_release_host_memory_after_backward",
 ]
 
@@ -99,6 +99,6 @@ def set_release_host_memory_after_backward(enabled: bool) -> None:
     _ENABLED[0] = enabled
 
 
-def release_host_memory_after_backward() -> bool:
+def releases_after_backward() -> bool:
     """Whether shard releases host memory at the end of every backward (off by default)."""
     return _ENABLED[0]

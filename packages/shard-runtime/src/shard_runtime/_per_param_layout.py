@@ -208,7 +208,7 @@ class PerParamLayout:
             for p, version in zip(self.params, kept, strict=True)
             if p.unsharded_param._version != version
         ]
-        return all([p.write_back_own_rows() for p in written])  # each one, then all
+        return bool(written) and all([p.write_back_own_rows() for p in written])  # each, then all
 
     def set_label(self, label: str) -> None:
         self._label = label

@@ -143,7 +143,7 @@ from shard_runtime._comm import CommContext
 from shard_runtime._compile import eager_hook
 from shard_runtime._fingerprint import check_same_model
 from shard_runtime._front_end import FrontEndRules
-from shard_runtime._host_memory import release_host_memory, release_host_memory_after_backward
+from shard_runtime._host_memory import release_host_memory, releases_after_backward
 from shard_runtime._options import MixedPrecisionPolicy
 from shard_runtime._order import ForwardOrderChecker, order_check_enabled
 from shard_runtime._reduction import IssuedReduction
@@ -773,7 +773,7 @@ class UnitState:
             state._reset_backward()
         self._final_callback_queued = False
         self.step += 1
-        if release_host_memory_after_backward():
+        if releases_after_backward():
             release_host_memory()
         set_flight_step(self.step)
         if self.on_iteration_end is not None:

@@ -426,9 +426,8 @@ class Unit:
             kept.shards != self.layout.source_versions()
         )
         if not moved and self.sharded_state is ShardedState.UNSHARDED:
-            faces_written = kept.faces != self.layout.face_versions()
-            # Carried into the shards, the writes make the copy stale too.
-            moved = faces_written and self.layout.write_back_faces(kept.faces)
+            # Carried into the shards, writes to the unsharded parameters make the copy stale.
+            moved = self.layout.write_back_faces(kept.faces)
         if moved:
             # The copy, or the post-forward group's rows, no longer match the shards.
             self.reshard()

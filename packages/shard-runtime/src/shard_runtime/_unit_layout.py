@@ -150,8 +150,10 @@ class UnitLayout(Protocol):
         """Carry what was written to the registered unsharded parameters since their
         versions were ``kept`` into this rank's shards (its own rows of each).
 
-        ``False`` where some write could not be carried exactly (it warns): the
-        unit then keeps its copy, so the write holds until the unit reshards.
+        Returns whether something was written and carried, so that the copy
+        is stale. ``False`` where nothing was written, or where some write
+        could not be carried exactly (it warns): the unit then keeps its copy,
+        so the write holds until the unit reshards.
         """
         ...
 
