@@ -44,6 +44,12 @@ class KnownBug:
     symptom: str
 
 
+def _not_power_of_two(size: int) -> bool:
+    """A group size whose collectives sum (and average) in orders that depend on where an
+    element sits: see the two fully-shard entries of ``KNOWN_BUGS``."""
+    return size & (size - 1) != 0
+
+
 def _trainable_by_step(config: Config) -> list[set[str]]:
     """The trainable parameters at each step: frozen before sharding, then the toggles."""
     names = parameter_names(config)
@@ -140,7 +146,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda c: (
             c.front_end == "fully_shard"
             and any(spec.side for spec in c.blocks)
-            and ((len(c.mesh) == 2 and c.mesh[0] > 2) or (c.mesh[-1] > 1 and c.mesh[-1] % 2 == 1))
+            and ((len(c.mesh) == 2 and c.mesh[0] > 2) or _not_power_of_two(c.mesh[-1]))
         ),
         symptom=(
             "fully_shard with a parameter unused in a step, over more than two ranks in one "
@@ -163,7 +169,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda c: (
             c.front_end == "fully_shard"
             and len(c.mesh) == 2
-            and c.mesh[-1] & (c.mesh[-1] - 1) != 0  # a shard group not a power of two
+            and _not_power_of_two(c.mesh[-1])  # the shard group's size
             and (c.mesh[0] > 1 or (c.microbatches > 1 and c.accumulate == "no-all-reduce"))
         ),
         symptom=(
