@@ -145,6 +145,53 @@ def test_reducer_halves_apply_explicit_sum_factors_once(rank_pool: Any) -> None:
         assert result["calls"] == (1, 1)
 
 
+def _rank_each_collective_divides(numel: int) -> dict[str, Any]:
+    rank = dist.get_rank()
+    mesh = sc.build_mesh((2, 2))
+    shard_group, replicate_group = sc.mesh_groups(mesh)
+    reducer = sc.DefaultGradReducer(
+        shard_group,
+        replicate_group=replicate_group,
+        op="sum",
+        post_divide=3.0,
+        replicas_post_divide=5.0,
+    )
+    output = torch.empty(numel)
+    result, work = reducer.scatter(_values(rank, numel * 2), output, async_op=True)
+    work.wait()
+    scattered = result.clone()
+    reducer.all_reduce_replicas(result)
+    return {
+        "scattered": scattered,
+        "output": result,
+        "factors": (reducer.scatter_post_divide, reducer.replicas_divide, reducer.post_divide),
+    }
+
+
+def test_replicas_post_divide_divides_after_each_collective(rank_pool: Any) -> None:
+    """With replicas_post_divide the reduce-scatter's result is divided before the all-reduce."""
+    results = rank_pool.run(_rank_each_collective_divides, 4, 3)
+    values = [_values(r, 6) for r in range(4)]
+    # ranks (0, 1) and (2, 3) are shard groups; (0, 2) and (1, 3) replicate each other's rows
+    scattered = [(values[0] + values[1]) / 3, (values[2] + values[3]) / 3]
+    averaged = (scattered[0] + scattered[1]) / 5
+    for rank, result in enumerate(results):
+        rows = slice((rank % 2) * 3, (rank % 2 + 1) * 3)
+        assert torch.equal(result["scattered"], scattered[rank // 2][rows])
+        assert torch.equal(result["output"], averaged[rows])
+        assert result["factors"] == (3.0, 5.0, 15.0)
+
+
+def test_replicas_post_divide_needs_a_sum() -> None:
+    """op='avg' picks its own factors, so a second one for the replicas is refused."""
+    message = (
+        "DefaultGradReducer(layers.0): replicas_post_divide must be a positive number with "
+        "op='sum', got 2.0 with op='avg'"
+    )
+    with pytest.raises(CommError, match=f"^{re.escape(message)}$"):
+        sc.DefaultGradReducer(label="layers.0", replicas_post_divide=2.0)
+
+
 def _rank_scatter_without_output() -> str:
     try:
         sc.DefaultGradReducer().scatter(torch.zeros(4), None)

@@ -343,6 +343,22 @@ def test_sample_on_four_ranks(rank_pool: RankPool, config: Config) -> None:
 @pytest.mark.parametrize(
     "config",
     [
+        # FSDP2 averages in each collective: a deferred replica all-reduce adds averaged partials.
+        Config(world_size=3, mesh=(1, 3), microbatches=2, accumulate="no-all-reduce"),
+        # FSDP1's HYBRID_SHARD divides once over every data-parallel rank, split around the sum.
+        Config(front_end="wrapper", world_size=3, mesh=(1, 3), strategy="HYBRID_SHARD"),
+    ],
+    ids=["fully-shard-deferred-all-reduce", "wrapper-hybrid"],
+)
+def test_a_shard_group_of_three_on_a_2d_mesh(rank_pool: RankPool, config: Config) -> None:
+    """A shard group that is not a power of two divides where each PyTorch FSDP divides."""
+    assert not known_bugs_in(config)
+    assert_agrees(rank_pool, config)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
         Config(front_end="wrapper", use_orig_params=False, blocks=(LORA,)),
         Config(front_end="wrapper", use_orig_params=False, frozen=("blocks.0.up.weight",)),
     ],

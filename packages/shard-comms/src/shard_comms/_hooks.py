@@ -8,7 +8,8 @@ bf16, call the reducer, and decompress. :class:`DefaultGradReducer` is that
 reducer: a reduce-scatter over the shard group for sharded units, an
 all-reduce for unsharded ones, and for hybrid meshes an all-reduce of the
 result across the replicate group, with the unit's divide factors applied
-once over the whole data-parallel world. Hooks are selected by registered
+once over the whole data-parallel world (FSDP1's way) or, with
+``replicas_post_divide``, after each collective (FSDP2's). Hooks are selected by registered
 name (``"bf16_compress"``) through the plugin registry, or passed as a
 callable.
 
@@ -20,13 +21,14 @@ through a user's custom collective when one is set) and
 :meth:`DefaultGradReducer.all_reduce_replicas` the all-reduce across the
 replicate group, which the unit may defer over several backwards. So the
 divide-factor staging exists once: ``pre_divide`` before the reduce-scatter,
-``post_divide`` after it on a 1-D mesh, after the replica all-reduce on a
-hybrid one. A unit whose communication controls move the division
-(``gradient_divide_factor``, ``force_sum_reduction_for_comms``) passes
-``op="sum"`` and its own factors. A unit with a comm codec
-(``set_comm_codec(grads=...)``) passes it here: both halves then send
-encoded rows and sum them in float32 (``_encoded.py``), with the unit's
-error feedback.
+``post_divide`` after it on a 1-D mesh. On a hybrid one ``post_divide``
+follows the replica all-reduce, so the average is taken once (FSDP1's
+HYBRID_SHARD), unless ``replicas_post_divide`` is given: then each
+collective divides its own result, and a deferred all-reduce sums averages
+(FSDP2). The unit passes ``op="sum"`` and the factors of its divide plan.
+A unit with a comm codec (``set_comm_codec(grads=...)``) passes it here:
+both halves then send encoded rows and sum them in float32
+(``_encoded.py``), with the unit's error feedback.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class DefaultGradReducer:
         post_divide: Factor applied after communication (after the replica
             all-reduce on a hybrid mesh); ``None`` picks the default for
             ``op``, as :func:`resolve_divide_factors` does.
+        replicas_post_divide: On a hybrid mesh, the factor the replica
+            all-reduce's result is divided by; ``post_divide`` then divides
+            the reduce-scatter's result instead. ``None``: the replica
+            all-reduce divides by ``post_divide``, and the reduce-scatter not.
         custom_reduce_scatter: A user's reduce-scatter that :meth:`scatter`
             calls instead of shard's (see ``custom_reduce_scatter``); ``None``:
             shard's.
@@ -104,6 +110,7 @@ class DefaultGradReducer:
         "_label",
         "_post_divide",
         "_pre_divide",
+        "_replicas_post_divide",
         "_replicate_group",
         "_world_size",
     )
@@ -116,6 +123,7 @@ class DefaultGradReducer:
         op: ReduceOpName = "avg",
         pre_divide: float | None = None,
         post_divide: float | None = None,
+        replicas_post_divide: float | None = None,
         custom_reduce_scatter: CustomReduceScatter | None = None,
         algorithm: ReduceAlgorithm = "auto",
         label: str | None = None,
@@ -127,6 +135,11 @@ class DefaultGradReducer:
                 f"DefaultGradReducer({label or 'unlabelled'}): a comm codec and a custom "
                 "reduce-scatter both replace the reduce-scatter; set one of them"
             )
+        if replicas_post_divide is not None and (op != "sum" or not replicas_post_divide > 0):
+            raise CommError(
+                f"DefaultGradReducer({label or 'unlabelled'}): replicas_post_divide must be a "
+                f"positive number with op='sum', got {replicas_post_divide} with op={op!r}"
+            )
         self._group = group
         self._replicate_group = replicate_group
         self._world_size = _group_size(group)
@@ -135,6 +148,7 @@ class DefaultGradReducer:
         self._pre_divide, self._post_divide = resolve_divide_factors(
             op, self._data_parallel_size, pre_divide, post_divide
         )
+        self._replicas_post_divide = replicas_post_divide
         self._custom = custom_reduce_scatter
         self._algorithm: ReduceAlgorithm = algorithm
         self._label = label
@@ -159,8 +173,10 @@ class DefaultGradReducer:
 
     @property
     def post_divide(self) -> float:
-        """Factor the result is divided by after communication."""
-        return self._post_divide
+        """Factor the result is divided by after communication (all of it, on a hybrid mesh)."""
+        if self._replicate_group is None or self._replicas_post_divide is None:
+            return self._post_divide
+        return self._post_divide * self._replicas_post_divide
 
     def reduce(self, grad: torch.Tensor, output: torch.Tensor | None) -> None:
         """Reduce-scatter ``grad`` into ``output``, or all-reduce it in place when ``None``.
@@ -198,7 +214,18 @@ class DefaultGradReducer:
     @property
     def scatter_post_divide(self) -> float:
         """Factor the reduce-scatter's result is divided by: 1 when the replicas divide."""
-        return 1.0 if self._replicate_group is not None else self._post_divide
+        if self._replicate_group is not None and self._replicas_post_divide is None:
+            return 1.0
+        return self._post_divide
+
+    @property
+    def replicas_divide(self) -> float:
+        """Factor the replica all-reduce's result is divided by (1 on a 1-D mesh)."""
+        if self._replicate_group is None:
+            return 1.0
+        if self._replicas_post_divide is None:
+            return self._post_divide
+        return self._replicas_post_divide
 
     def scatter(
         self, grad: torch.Tensor, output: torch.Tensor | None, *, async_op: bool = False
@@ -261,7 +288,7 @@ class DefaultGradReducer:
                 self._replicate_group,
                 feedback=self._feedback,
                 path="replicas",
-                post_divide=self._post_divide,
+                post_divide=self.replicas_divide,
                 label=self._label,
             )
         elif self._replicate_group is not None:
@@ -269,7 +296,7 @@ class DefaultGradReducer:
                 target,
                 self._replicate_group,
                 pre_divide=1.0,
-                post_divide=self._post_divide,
+                post_divide=self.replicas_divide,
                 label=self._label,
             ).wait()
 

@@ -49,6 +49,10 @@ class FrontEndRules:
         limit_all_gathers: at most two units' all-gathers in flight.
         cast_root_inputs: the root casts its forward inputs to the parameter
             dtype (the wrapper's ``cast_root_forward_inputs``).
+        average_per_collective: on a 2-D mesh, float32 and bfloat16
+            gradients are averaged inside each collective (``fully_shard``),
+            not once over every data-parallel rank (the wrapper); see [Note:
+            Averaging per collective] in ``_unit.py``.
     """
 
     api: str
@@ -59,3 +63,4 @@ class FrontEndRules:
     forward_prefetch: bool = False
     limit_all_gathers: bool = False
     cast_root_inputs: bool = False
+    average_per_collective: bool = True

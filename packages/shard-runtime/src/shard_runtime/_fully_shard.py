@@ -676,6 +676,7 @@ def fully_shard(
             mp_policy=mp_policy,
             compute_device=compute_device,
             api=FULLY_SHARD_RULES.api,
+            average_per_collective=FULLY_SHARD_RULES.average_per_collective,
             reshard_after_forward=_resolve_reshard_after_forward(reshard_after_forward, group.mesh),
         )
         for (_, param, _), sp in zip(group.params, sharded, strict=True):

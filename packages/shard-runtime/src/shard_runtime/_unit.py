@@ -12,7 +12,8 @@ decides *where* the bytes live (per-parameter or flat layout).
 
 - where the gradient is divided. By default the reduction averages over
   every data-parallel rank (shard x replicate), split into a division before
-  and one after the sum (see [Note: Divide factors] in shard-comms).
+  and one after the sum (see [Note: Divide factors] in shard-comms), on a
+  2-D mesh once or per collective (see [Note: Averaging per collective]).
   ``gradient_divide_factor`` divides by that number instead, after the sum.
   ``force_sum_reduction_for_comms`` asks for pure sums on the wire: the
   collectives only add, and the division (by the factor, or by the
@@ -47,6 +48,21 @@ decides *where* the bytes live (per-parameter or flat layout).
   allocator where its backend has one (``"process_group"``, ``"symm_mem"``);
 - ``weight_codec`` / ``grad_codec`` (``set_comm_codec``) encode what the
   all-gathers and the gradient reductions send (see [Note: Comm codecs]).
+
+[Note: Averaging per collective]
+On a 2-D (replicate, shard) mesh the average over every data-parallel rank
+can be taken once or in two steps, and in floating point the two round
+differently when a group's size is not a power of two. PyTorch's FSDP2
+averages inside each collective for float32 and bfloat16 gradients: the
+reduce-scatter's result is divided by the shard group's size and the
+replica all-reduce's by the number of replicas, so with the all-reduce
+deferred (``set_requires_all_reduce(False)``) every micro-batch's partial
+is an average before the partials are added. FSDP1's HYBRID_SHARD divides
+once over the whole data-parallel size, split around the sum (see [Note:
+Divide factors] in shard-comms). Each front end asks for its own
+(``FrontEndRules.average_per_collective``); narrower reduce dtypes and
+the communication controls that move the division keep one split in both,
+as in PyTorch. Both ways are the same average: only the last bit differs.
 
 [Note: Comm codecs]
 A comm codec (``shard_core.protocols.CommCodec``, from a plugin such as
@@ -233,6 +249,8 @@ class Unit:
     mp_policy: MixedPrecisionPolicy
     compute_device: torch.device
     api: str  # the front end's name, starting error messages
+    # FrontEndRules.average_per_collective; see [Note: Averaging per collective]
+    average_per_collective: bool = True
     # - state
     sharded_state: ShardedState = ShardedState.SHARDED
     training_state: TrainingState = TrainingState.IDLE
@@ -625,6 +643,10 @@ class Unit:
             return DividePlan(before, 1.0, 1.0, after)
         if factor is not None:  # one division of the full sum, before the hook
             return DividePlan(1.0, 1.0 if hsdp else factor, factor if hsdp else 1.0, 1.0)
+        if hsdp and self.average_per_collective and not narrow:
+            # See [Note: Averaging per collective].
+            pre, post = divide_factors(self.shard_world)
+            return DividePlan(pre, post, float(self.replicate_world), 1.0)
         pre, post = divide_factors(dp_size)
         return DividePlan(pre, 1.0 if hsdp else post, post if hsdp else 1.0, 1.0)
 
@@ -653,18 +675,17 @@ class Unit:
         if codec is not None and self.error_feedback:
             feedback = self._feedback.setdefault(bucket, ErrorFeedback())
         replicate = self.replicate_group if replicas else None
-        # On a 1-D mesh ``after_all_reduce`` is 1; on a 2-D one ``after_scatter`` is.
-        post = plan.after_scatter * (plan.after_all_reduce if replicate is not None else 1.0)
         return DefaultGradReducer(
             self.reduce_scatter_group or self.shard_group,
             replicate_group=replicate,
             op="sum",
             pre_divide=plan.before,
-            post_divide=post,
+            post_divide=plan.after_scatter,
             custom_reduce_scatter=self.custom_reduce_scatter,
             label=self.comm_label,
             codec=codec,
             feedback=feedback,
+            replicas_post_divide=None if replicate is None else plan.after_all_reduce,
         )
 
     def reduce_grads(self) -> list[IssuedReduction]:

@@ -283,6 +283,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, StateDictMethods, SummonMe
             forward_prefetch=self.forward_prefetch,
             limit_all_gathers=self.limit_all_gathers,
             cast_root_inputs=bool(mp and mp.cast_root_forward_inputs),
+            average_per_collective=False,
         )
         unit = Unit(
             label=type(module).__name__,
@@ -291,6 +292,7 @@ class FullyShardedDataParallel(OptimStateDictMethods, StateDictMethods, SummonMe
             mp_policy=policy,
             compute_device=shared.compute_device,
             api=rules.api,
+            average_per_collective=rules.average_per_collective,
             reshard_after_forward=self.sharding_strategy in RESHARD_AFTER_FORWARD,
         )
         state = UnitState([self], [unit], rules=rules, mp_policy=policy)

@@ -164,30 +164,6 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
-        name="fully-shard-hsdp-divides-once",
-        culprit="shard",
-        matches=lambda c: (
-            c.front_end == "fully_shard"
-            and len(c.mesh) == 2
-            and _not_power_of_two(c.mesh[-1])  # the shard group's size
-            and (c.mesh[0] > 1 or (c.microbatches > 1 and c.accumulate == "no-all-reduce"))
-        ),
-        symptom=(
-            "fully_shard on a 2-D mesh whose shard group is not a power of two, with the "
-            "replica all-reduce deferred (set_requires_all_reduce(False)): gradients one ulp "
-            "from PyTorch's (0.029480332508683205 vs 0.029480334371328354). PyTorch's FSDP2 "
-            "averages inside each collective in fp32 and bf16 (ReduceOp.AVG: each "
-            "micro-batch's reduce-scatter output is divided by the shard group's size before "
-            "the partial sums are added, and the all-reduce divides by the replicas'); shard "
-            "divides once, after the replica all-reduce, by the whole data-parallel size (a "
-            "power-of-two part before the sum), so the sum of the partials rounds once where "
-            "PyTorch's rounds per micro-batch. By the same arithmetic replicas > 1 over such a "
-            "shard group differ too (not run: world sizes of 6 and more). Bitwise where the "
-            "shard group is a power of two, and on 1-D meshes. "
-            "Minimal: Config(world_size=3, mesh=(1, 3), microbatches=2, accumulate='no-all-reduce')"
-        ),
-    ),
-    KnownBug(
         name="torch-hybrid-shard-group-of-one",
         culprit="torch",
         matches=lambda c: c.strategy in HYBRID and c.front_end == "wrapper" and c.mesh[-1] == 1,
