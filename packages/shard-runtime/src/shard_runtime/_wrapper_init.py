@@ -23,6 +23,18 @@ module that owns a meta tensor no earlier module owned then runs its
 earlier module keeps the values that module gave them, as eager construction
 followed by tying would.
 
+A ``param_init_fn`` runs on one module at a time, and the one accelerate and
+transformers pass (``to_empty(device=..., recurse=False)``) unties such a
+parameter the same way. PyTorch's FSDP1 keeps what it is given: the tied
+weights train as two parameters, and with ``sync_module_states`` (rank 0
+loaded eagerly, the others on meta) the ranks no longer hold the same
+parameters, so the broadcast fails or hangs (pytorch/pytorch#143181;
+accelerate re-ties after FSDP's init since huggingface/accelerate#3154). So
+before calling ``param_init_fn`` we note which slots share a meta tensor,
+and afterwards point every slot of a group that ``param_init_fn`` left apart
+at the first owner's new tensor (breadth-first order; its values win, as
+with tying after eager construction), where shape and dtype still agree.
+
 [Note: One broadcast per dtype]
 ``sync_module_states`` copies rank ``src``'s states into one flat buffer per
 (device, dtype), broadcasts each buffer once and copies the pieces back, so a
@@ -194,7 +206,8 @@ def materialize_module(
     ``reset_parameters()`` runs on each module owning one. See
     [Note: Meta materialisation keeps ties]. With ``param_init_fn``, it is
     called on each module whose subtree still holds a meta tensor when its
-    turn comes, breadth-first from ``module`` (the root first). Modules with
+    turn comes, breadth-first from ``module`` (the root first), and the
+    tensors shared on meta that it left apart are tied again. Modules with
     nothing on meta, ignored modules and already-sharded modules are left
     alone.
 
@@ -218,9 +231,11 @@ def materialize_module(
     if param_init_fn is None:
         _reset_meta_modules(module, order, device)
         return
+    ties = _meta_ties(order)
     for target in order:
         if any(t.is_meta for m in modules_breadth_first(target, stop) for t in _own_states(m)):
             param_init_fn(target)
+    _retie(ties)
     names = _Names(module)
     left = [
         repr(name)
@@ -234,6 +249,42 @@ def materialize_module(
             "module it is called on real storage and values, e.g. "
             "module.to_empty(device=..., recurse=False) followed by module.reset_parameters()"
         )
+
+
+_Slot = tuple[nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute name)
+
+
+def _meta_ties(order: list[nn.Module]) -> list[list[_Slot]]:
+    """The groups of two or more slots that hold one meta tensor, first owner first.
+
+    See [Note: Meta materialisation keeps ties].
+    """
+    groups: dict[int, list[_Slot]] = {}
+    for m in order:
+        for kind in ("_parameters", "_buffers"):
+            for key, t in getattr(m, kind).items():
+                if t is not None and t.is_meta:
+                    groups.setdefault(id(t), []).append((m, kind, key))
+    return [slots for slots in groups.values() if len(slots) > 1]
+
+
+def _retie(ties: list[list[_Slot]]) -> None:
+    """Point each tie group's slots at its first slot's tensor again, where still compatible."""
+    for (first, first_kind, first_key), *rest in ties:
+        kept = getattr(first, first_kind)[first_key]
+        if kept is None or kept.is_meta:
+            continue
+        for m, kind, key in rest:
+            table = getattr(m, kind)
+            now = table[key]
+            if (
+                kind == first_kind
+                and now is not kept
+                and now is not None
+                and now.shape == kept.shape
+                and now.dtype == kept.dtype
+            ):
+                table[key] = kept
 
 
 def _reset_meta_modules(root: nn.Module, order: list[nn.Module], device: torch.device) -> None:
