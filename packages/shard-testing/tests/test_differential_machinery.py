@@ -65,6 +65,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
     dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap", "accumulate")
+    dimensions += ("init",)
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -77,6 +78,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["evaluate"] == values["param_groups"] == {"False", "True"}
     assert values["set_to_none"] == values["eval_no_grad"] == {"False", "True"}
     assert values["eval_swap"] == {"False", "True"}
+    assert values["init"] == {"eager", "meta"}
     assert all(
         config.evaluate or (config.eval_no_grad and not config.eval_swap) for config in DRAWN
     )
@@ -236,6 +238,36 @@ def test_a_resume_that_loads_nothing_shows(rank_pool: RankPool, resume: str) -> 
     config = Config(steps=3, resume=resume, resume_at=1, evaluate=True)  # type: ignore[arg-type]
     for found in rank_pool.run(_resume_that_loads_nothing, 2, config):
         assert found[:2] == ["1 loss", "1 eval_loss"]
+
+
+def _meta_against_eager(config: Config, load: bool) -> list[str]:
+    """PyTorch from meta against PyTorch built eagerly; ``load=False`` drops the load."""
+    from torch.distributed.checkpoint import state_dict as api
+
+    eager = run_impl(dataclasses.replace(config, init="eager"), "torch")
+    original = api.set_model_state_dict
+    if not load:
+        api.set_model_state_dict = lambda *args, **kwargs: None  # type: ignore[assignment]
+    try:
+        meta = run_impl(dataclasses.replace(config, init="meta"), "torch")
+    finally:
+        api.set_model_state_dict = original
+    assert eager.error is None, eager.error
+    assert meta.error is None, meta.error
+    found, _ = compare_traces(eager, meta, rank=dist.get_rank(), exact=True)
+    return sorted({f"{d.step} {d.what}" for d in found})
+
+
+@pytest.mark.parametrize("front_end", ["fully_shard", "wrapper"])
+def test_meta_initialisation_loads_rank_0s_weights_and_a_lost_load_shows(
+    rank_pool: RankPool, front_end: str
+) -> None:
+    """init="meta" trains as the eager build does; without its load it does not."""
+    config = Config(front_end=front_end, blocks=(BlockSpec(kind="lora"),))  # type: ignore[arg-type]
+    for found in rank_pool.run(_meta_against_eager, 2, config, True):
+        assert found == []
+    for found in rank_pool.run(_meta_against_eager, 2, config, False):
+        assert found[:1] == ["0 grad"]
 
 
 # ---------------------------------------------------------------------- scripts

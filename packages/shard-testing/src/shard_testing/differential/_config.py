@@ -57,6 +57,7 @@ Optimizer = Literal["sgd", "adamw"]
 Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
 Resume = Literal["none", "sharded", "full", "native", "in-place"]
 Accumulate = Literal["no-sync", "sync", "no-sync-keep", "no-all-reduce"]
+Init = Literal["eager", "meta"]
 
 
 class Pick(Protocol):
@@ -192,6 +193,15 @@ class Config:
     back into the same model and optimizer after it (into units it left gathered). See
     [Note: resuming] in ``_run.py``."""
     resume_at: int = 1
+    init: Init = "eager"
+    """``"meta"``: the model is built on the meta device and sharded there, then given
+    memory (``fully_shard``: ``model.to_empty(device="cpu")``; the wrapper:
+    ``param_init_fn`` calls ``to_empty(recurse=False)`` on each module) and loaded from the
+    full state dict of the model ``"eager"`` builds, which only rank 0 holds
+    (``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``): how
+    a fine-tuning job loads pretrained weights into a model too big for one rank.
+    PyTorch's FSDP1 ``sync_module_states`` needs an accelerator, so the wrapper loads the
+    same way as ``fully_shard``. See [Note: meta initialisation] in ``_run.py``."""
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -238,6 +248,7 @@ class Config:
             "eval_no_grad": str(self.eval_no_grad),
             "eval_swap": str(self.eval_swap),
             "resume": self.resume,
+            "init": self.init,
         }
         for spec in self.blocks:
             out[f"block.{spec.kind}"] = "yes"
@@ -394,7 +405,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
                 ways.append("no-all-reduce")
         accumulate = pick(ways)
     # base holds the model's shape (the parameter names above come from it); add the rest.
-    return replace(
+    config = replace(
         base,
         frozen=frozen,
         toggles=toggles,
@@ -424,6 +435,8 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         resume=resume,
         resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )
+    # Drawn last, so the configurations drawn before this dimension existed keep their values.
+    return replace(config, init=pick(("eager", "meta")))
 
 
 def _toggles(

@@ -378,6 +378,42 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
+        name="torch-broadcast-from-rank0-fsdp1-checkpoint-wrapper",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.init == "meta"
+            and any(spec.checkpoint == "wrapper" for spec in c.blocks)
+            and (c.shard_blocks or not c.use_orig_params)
+        ),
+        symptom=(
+            "PyTorch's set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) "
+            "fails on every rank but 0 for FSDP1 units under checkpoint_wrapper (around a "
+            "block's own unit, or inside a unit with use_orig_params=False): 'Error(s) in "
+            "loading state_dict for FullyShardedDataParallel: Missing key(s) in state_dict: "
+            '"blocks.0.norm.weight", ...\', while rank 0 loads and goes on into the first '
+            "all-gather alone (the tester keeps the ranks in step after the build, so the run "
+            "ends instead of hanging). shard loads on every rank. "
+            "Minimal: Config(front_end='wrapper', blocks=(BlockSpec(checkpoint='wrapper'),), "
+            "init='meta')"
+        ),
+    ),
+    KnownBug(
+        name="torch-fsdp1-param-init-fn-unties",
+        culprit="torch",
+        matches=lambda c: c.front_end == "wrapper" and c.init == "meta" and c.tied,
+        symptom=(
+            "PyTorch's FSDP1 calls param_init_fn on one module at a time, and the one "
+            "accelerate and transformers pass (to_empty(device=..., recurse=False)) gives the "
+            "tied head its own tensor: PyTorch then trains head.weight and embed.weight as two "
+            "parameters (named_parameters lists both; with sync_module_states the broadcast "
+            "fails or hangs: pytorch/pytorch#143181, worked around by "
+            "huggingface/accelerate#3154). shard ties them again after param_init_fn (see "
+            "[Note: Meta materialisation keeps ties] in shard_runtime/_wrapper_init.py). "
+            "Minimal: Config(front_end='wrapper', tied=True, init='meta')"
+        ),
+    ),
+    KnownBug(
         name="torch-fsdp1-forward-without-backward-lists-views",
         culprit="torch",
         matches=lambda c: _forward_without_backward(c) and c.use_orig_params and bool(c.toggles),

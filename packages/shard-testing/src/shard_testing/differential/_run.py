@@ -47,6 +47,19 @@ front end's own state dicts, taken before the step's evaluation, back into
 the same model and optimizer after it instead (a rollback, or a checkpoint
 loaded mid-run): the values stay, but the load must go through whatever the
 evaluation left gathered and leave training as it was.
+
+[Note: meta initialisation]
+``Config.init="meta"`` starts the run the way fine-tuning jobs load a
+pretrained model that no rank could hold whole: every rank builds the model
+from the seed (the "pretrained" weights; only rank 0 keeps their state
+dict), then builds it again on the meta device, freezes and shards that one,
+gives it memory without values (``fully_shard``: ``to_empty`` on the root;
+the wrapper: a ``param_init_fn`` calling ``to_empty(recurse=False)``, as
+accelerate and transformers pass it), and loads rank 0's full state dict
+with ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``.
+A value the load misses, a tied weight ``to_empty`` unties, a frozen flag or
+a dtype the meta path loses shows in the first step. Resuming builds the
+fresh model the same way.
 """
 
 from __future__ import annotations
@@ -148,7 +161,13 @@ def run_impl(config: Config, impl: Impl) -> Trace:
     trace = Trace()
     step, phase = -1, "build"
     try:
-        model, optim = _build(config, impl)
+        try:
+            model, optim = _build(config, impl)
+        except Exception:
+            _built_everywhere(False)
+            raise
+        if not _built_everywhere(True):
+            raise RuntimeError("another rank raised while building the model")
         trace.names = [name for name, _ in model.named_parameters()]
         for step in range(config.steps):
             snapshot = Snapshot()
@@ -207,6 +226,15 @@ def run_impl(config: Config, impl: Impl) -> Trace:
     return trace
 
 
+def _built_everywhere(built: bool) -> bool:
+    """Whether every rank built its model: a build that fails on some ranks only (a load
+    from rank 0 that the others refuse) would leave the rest waiting in the first
+    all-gather until the collective timeout."""
+    flag = torch.tensor([1 if built else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: message (at package/file.py:line in function)``: where a fix would start.
 
@@ -247,12 +275,25 @@ def _build(
     ns = fsdp_namespace(impl)
     torch.manual_seed(config.seed if seed is None else seed)
     model = Net(config)
+    pretrained: dict[str, Any] | None = None
+    if config.init == "meta":  # See [Note: meta initialisation].
+        pretrained = {}
+        if dist.get_rank() == 0:
+            pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with torch.device("meta"):
+            model = Net(config)
     for name, param in model.named_parameters():
         if name in config.frozen:
             param.requires_grad_(False)
     sharded = _fully_shard(ns, model, config) if config.front_end == "fully_shard" else None
     if sharded is None:
         sharded = _wrap(ns, model, config)
+    if pretrained is not None:
+        if config.front_end == "fully_shard":
+            sharded.to_empty(device="cpu")
+        api = importlib.import_module(_STATE_DICT_MODULES[impl])
+        options = api.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        api.set_model_state_dict(sharded, pretrained, options=options)
     groups = _param_groups(sharded, config)
     optim: torch.optim.Optimizer
     if config.optimizer == "sgd":
@@ -347,6 +388,8 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         "limit_all_gathers": config.limit_all_gathers,
         "device_id": torch.device("cpu"),
     }
+    if config.init == "meta":  # See [Note: meta initialisation].
+        kwargs["param_init_fn"] = _to_empty_on_cpu
     if len(config.mesh) == 2:
         kwargs["device_mesh"] = mesh_for(config)
     if config.auto_wrap:
@@ -369,6 +412,17 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
     return wrapped
 
 
+def _to_empty_on_cpu(module: nn.Module) -> None:
+    """The wrapper's ``param_init_fn`` for a meta model whose values are loaded afterwards."""
+    module.to_empty(device=torch.device("cpu"), recurse=False)
+
+
+_STATE_DICT_MODULES: dict[Impl, str] = {
+    "torch": "torch.distributed.checkpoint.state_dict",
+    "shard": "shard_checkpoint",
+}
+
+
 def _state_dict_api(config: Config, impl: Impl) -> tuple[ModuleType, Any]:
     """Where ``impl`` keeps ``get_state_dict`` and ``set_state_dict``, and the options
     ``config.resume`` asks for (``full_state_dict`` for ``"full"``).
@@ -376,8 +430,7 @@ def _state_dict_api(config: Config, impl: Impl) -> tuple[ModuleType, Any]:
     Imported when asked for, as :func:`fsdp_namespace` does: shard-testing does
     not depend on shard-checkpoint.
     """
-    name = "torch.distributed.checkpoint.state_dict" if impl == "torch" else "shard_checkpoint"
-    api = importlib.import_module(name)
+    api = importlib.import_module(_STATE_DICT_MODULES[impl])
     return api, api.StateDictOptions(full_state_dict=config.resume == "full")
 
 
