@@ -23,6 +23,16 @@ of keys, shapes and dtypes; then, key after key (unit after unit for the
 wrapper), each rank receives the full tensors, copies its rows into its
 shards and drops them before the next: one unit or tensor beyond the shards.
 
+[Note: loading into the meta device]
+A tensor the model still holds on the meta device (a module the wrapper
+ignores, so that its ``param_init_fn`` never materialised it; a model
+loaded into before ``to_empty``) has no storage to copy into, so copying
+would silently keep nothing. Such a full value is given its own storage on
+the device the model's other tensors use (the CPU when there is none) and
+assigned into the module instead, as PyTorch's ``set_model_state_dict``
+does (``assign=True``); the parameter keeps its ``requires_grad``, and
+slots that shared the meta tensor (tied weights) share the new one.
+
 [Note: what the functional API adds]
 ``get_model_state_dict`` and ``set_model_state_dict`` (and
 ``get_state_dict``/``set_state_dict``, which call the same two helpers) add
@@ -548,8 +558,9 @@ def load_model_state_dict(
                 label=caller.name,
             )
         del fulls
+    device = _storage_device(units, targets)
     if broadcast_from_rank0:
-        received = _receive_from_rank0(targets, manifest, state_dict, caller)
+        received = _receive_from_rank0(targets, manifest, state_dict, caller, device)
         prepared = {k: v for k, v in received.items() if v is not None}
     else:
         prepared = {
@@ -557,9 +568,54 @@ def load_model_state_dict(
             for key in targets
             if key in state_dict
         }
+    # See [Note: loading into the meta device].
+    on_meta = {
+        key: value.detach().to(device).clone()
+        for key, value in prepared.items()
+        if isinstance(value, torch.Tensor) and _on_meta(targets.get(key))
+    }
+    for key in on_meta:
+        del prepared[key]
     with torch.no_grad(), raw_module_state_dicts():
         nn.Module.load_state_dict(model, prepared, strict=False)
+        if on_meta:
+            _assign_keeping_ties(model, on_meta)
     return IncompatibleKeys(missing_keys=missing, unexpected_keys=unexpected)
+
+
+def _on_meta(target: Any) -> bool:
+    return isinstance(target, torch.Tensor) and not isinstance(target, DTensor) and target.is_meta
+
+
+def _storage_device(units: list[FlatUnit], targets: Mapping[str, Any]) -> torch.device:
+    """Where a value loaded into a meta tensor gets its storage: see [Note: loading into the
+    meta device]."""
+    if units:
+        return units[0].compute_device
+    for target in targets.values():
+        if isinstance(target, DTensor):
+            return target.to_local().device
+        if isinstance(target, torch.Tensor) and not target.is_meta:
+            return target.device
+    return torch.device("cpu")
+
+
+def _assign_keeping_ties(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Assign ``values`` into the model's meta tensors; slots that shared one share its value."""
+    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    for module in model.modules():
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
+            slots += [(table, k, t) for k, t in table.items() if t is not None and t.is_meta]
+    nn.Module.load_state_dict(model, values, strict=False, assign=True)
+    first: dict[int, torch.Tensor] = {}
+    for table, key, old in slots:
+        now = table[key]
+        if now is None or now.is_meta:
+            continue
+        kept = first.setdefault(id(old), now)
+        if kept is not now and kept.shape == now.shape:
+            table[key] = kept
 
 
 def _current(unit: FlatUnit, label: str) -> list[torch.Tensor]:
@@ -671,12 +727,14 @@ def _receive_from_rank0(
     manifest: Mapping[str, Any],
     state_dict: Mapping[str, Any],
     caller: Caller,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Rank 0's values, broadcast key by key; see [Note: loading one tensor at a time].
 
     Tensors are copied straight into the model's shards and buffers as they
-    arrive (the keys map to ``None``); other values are returned for
-    ``load_state_dict``.
+    arrive (the keys map to ``None``); other values, and the tensors for
+    targets still on the meta device (received on ``device``: see [Note:
+    loading into the meta device]), are returned for ``load_state_dict``.
     """
     for key, spec in manifest.items():
         target = targets.get(key)
@@ -692,11 +750,15 @@ def _receive_from_rank0(
             continue
         with torch.no_grad():
             local = target.to_local() if isinstance(target, DTensor) else target
+            into = device if _on_meta(target) else local.device
             if rank() == 0:
-                buffer = state_dict[key].detach().to(local.device).contiguous()
+                buffer = state_dict[key].detach().to(into).contiguous()
             else:
-                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=local.device)
+                buffer = torch.empty(spec.shape, dtype=spec.dtype, device=into)
             broadcast_tensor(buffer, label=f"state_dict ({key})")
+            if _on_meta(target):
+                received[key] = buffer
+                continue
             if isinstance(target, DTensor):
                 local.copy_(local_chunk(buffer, target, key=key))
             else:
