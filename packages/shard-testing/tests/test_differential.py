@@ -293,6 +293,22 @@ _ALL_BUT_HEAD = (
 )
 # Weights swapped in around a validation forward where PyTorch gathers again too
 @example(Config(blocks=(BlockSpec(), BlockSpec()), evaluate=True, eval_swap=True, clip=0.5))
+# Built on meta, loaded from rank 0's full state dict; the final norm kept out of sharding
+@example(
+    Config(
+        init="meta",
+        tied=True,
+        blocks=(LORA, BlockSpec()),
+        frozen=("blocks.1.up.weight",),
+        optimizer="adamw",
+        resume="full",
+        steps=3,
+    )
+)
+@example(Config(front_end="wrapper", init="meta", blocks=(LORA,), offload=True))
+@example(Config(init="meta", ignored="norm", precision="bf16", reshard_after_forward=False))
+@example(Config(ignored="norm", microbatches=2, resume="sharded", optimizer="adamw", steps=3))
+@example(Config(front_end="wrapper", ignored="norm", auto_wrap=True, strategy="SHARD_GRAD_OP"))
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
     assume(not known_bugs_in(config))

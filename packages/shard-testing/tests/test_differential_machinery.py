@@ -65,7 +65,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
     dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap", "accumulate")
-    dimensions += ("init",)
+    dimensions += ("init", "ignored")
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -79,6 +79,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["set_to_none"] == values["eval_no_grad"] == {"False", "True"}
     assert values["eval_swap"] == {"False", "True"}
     assert values["init"] == {"eager", "meta"}
+    assert values["ignored"] == {"none", "norm"}
     assert all(
         config.evaluate or (config.eval_no_grad and not config.eval_swap) for config in DRAWN
     )

@@ -58,6 +58,7 @@ Freeze = Literal["none", "adapters", "bias-norm", "units", "subset"]
 Resume = Literal["none", "sharded", "full", "native", "in-place"]
 Accumulate = Literal["no-sync", "sync", "no-sync-keep", "no-all-reduce"]
 Init = Literal["eager", "meta"]
+Ignored = Literal["none", "norm"]
 
 
 class Pick(Protocol):
@@ -202,6 +203,12 @@ class Config:
     a fine-tuning job loads pretrained weights into a model too big for one rank.
     PyTorch's FSDP1 ``sync_module_states`` needs an accelerator, so the wrapper loads the
     same way as ``fully_shard``. See [Note: meta initialisation] in ``_run.py``."""
+    ignored: Ignored = "none"
+    """``"norm"``: the final LayerNorm stays out of sharding (``fully_shard``'s
+    ``ignored_params`` on the root call; the wrapper's ``ignored_states=[norm]``): its
+    parameters stay whole on every rank and their gradients are not reduced (each rank
+    keeps its own), as for parameters a user manages apart (a replicated norm, an expert
+    handled by another parallelism)."""
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -249,6 +256,7 @@ class Config:
             "eval_swap": str(self.eval_swap),
             "resume": self.resume,
             "init": self.init,
+            "ignored": self.ignored,
         }
         for spec in self.blocks:
             out[f"block.{spec.kind}"] = "yes"
@@ -436,7 +444,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )
     # Drawn last, so the configurations drawn before this dimension existed keep their values.
-    return replace(config, init=pick(("eager", "meta")))
+    return replace(config, init=pick(("eager", "meta")), ignored=pick(("none", "norm")))
 
 
 def _toggles(

@@ -414,6 +414,20 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
+        name="torch-fsdp1-ignored-module-meta-load",
+        culprit="torch",
+        matches=lambda c: c.front_end == "wrapper" and c.init == "meta" and c.ignored != "none",
+        symptom=(
+            "PyTorch's FSDP1 with a module in ignored_states and the model built on the meta "
+            "device: param_init_fn is not called on the ignored module, and "
+            "set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) leaves it "
+            "without rank 0's values: the first loss is nan on every rank (torch nan, shard "
+            "2.303035259246826). shard gives the meta tensors storage and assigns the values "
+            "(the same run from eager weights is bitwise shard's). "
+            "Minimal: Config(front_end='wrapper', init='meta', ignored='norm')"
+        ),
+    ),
+    KnownBug(
         name="torch-fsdp1-forward-without-backward-lists-views",
         culprit="torch",
         matches=lambda c: _forward_without_backward(c) and c.use_orig_params and bool(c.toggles),

@@ -352,7 +352,8 @@ def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         if config.shard_blocks:
             ns.fully_shard(block, **kwargs)
             units.append(block)
-    ns.fully_shard(model, **kwargs)
+    ignored = {model.norm.weight, model.norm.bias} if config.ignored == "norm" else None
+    ns.fully_shard(model, **kwargs, ignored_params=ignored)
     if config.prefetch == "explicit" and units:
         root: Any = model
         root.set_modules_to_forward_prefetch(units[:1])
@@ -394,7 +395,9 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         kwargs["device_mesh"] = mesh_for(config)
     if config.auto_wrap:
         policy = importlib.import_module(f"{ns.__name__}.wrap").ModuleWrapPolicy({Block})
-        root: Any = ns.FullyShardedDataParallel(model, auto_wrap_policy=policy, **kwargs)
+        root: Any = ns.FullyShardedDataParallel(
+            model, auto_wrap_policy=policy, **kwargs, ignored_states=_ignored_modules(model, config)
+        )
         blocks = root.module.blocks
         for index, spec in enumerate(config.blocks):
             if spec.checkpoint == "wrapper":  # apply_activation_checkpointing's order
@@ -408,8 +411,15 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         if spec.checkpoint == "wrapper":  # what apply_activation_checkpointing does after wrapping
             block = _checkpoint_wrapper(block)
         model.blocks[index] = block
-    wrapped = ns.FullyShardedDataParallel(model, **kwargs)
+    wrapped = ns.FullyShardedDataParallel(
+        model, **kwargs, ignored_states=_ignored_modules(model, config)
+    )
     return wrapped
+
+
+def _ignored_modules(model: Net, config: Config) -> list[nn.Module] | None:
+    """The wrapper's ``ignored_states`` for ``config.ignored``."""
+    return [model.norm] if config.ignored == "norm" else None
 
 
 def _to_empty_on_cpu(module: nn.Module) -> None:
