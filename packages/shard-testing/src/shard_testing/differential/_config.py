@@ -328,6 +328,11 @@ def _unit_of(name: str, config: Config) -> str:
     return ""
 
 
+def ignored_names(config: Config) -> frozenset[str]:
+    """The parameters kept out of sharding (``Config.ignored``): in no unit."""
+    return frozenset(("norm.weight", "norm.bias")) if config.ignored == "norm" else frozenset()
+
+
 def _subset(pick: Pick, items: Sequence[str]) -> tuple[str, ...]:
     return tuple(item for item in items if pick((False, True)))
 
