@@ -309,6 +309,17 @@ _ALL_BUT_HEAD = (
 @example(Config(init="meta", ignored="norm", precision="bf16", reshard_after_forward=False))
 @example(Config(ignored="norm", microbatches=2, resume="sharded", optimizer="adamw", steps=3))
 @example(Config(front_end="wrapper", ignored="norm", auto_wrap=True, strategy="SHARD_GRAD_OP"))
+# Shard(1) through shard_placement_fn, crossed with LoRA, ties and a sharded resume
+@example(
+    Config(
+        placement="dim1",
+        blocks=(LORA, BlockSpec()),
+        tied=True,
+        resume="sharded",
+        optimizer="adamw",
+        steps=3,
+    )
+)
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
     assume(not known_bugs_in(config))
@@ -350,6 +361,9 @@ def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     )
 )
 @example(Config(world_size=4, mesh=(2, 2), optimizer="adamw", resume="full", evaluate=True))
+@example(
+    Config(world_size=4, mesh=(2, 2), placement="dim1", microbatches=2, accumulate="no-all-reduce")
+)
 def test_sample_on_four_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 4-rank configurations agrees: 2-D meshes, int reshard_after_forward."""
     assume(not known_bugs_in(config))

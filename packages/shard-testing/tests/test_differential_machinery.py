@@ -80,6 +80,19 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["eval_swap"] == {"False", "True"}
     assert values["init"] == {"eager", "meta"}
     assert values["ignored"] == {"none", "norm"}
+    placements = {c.placement for c in DRAWN if c.front_end == "fully_shard"}
+    assert placements == {"dim0", "dim1"}
+    assert all(c.placement == "dim0" for c in DRAWN if c.front_end == "wrapper")
+    # See torch-fully-shard-shard1-post-forward-group: never drawn.
+    assert not [
+        c
+        for c in DRAWN
+        if c.placement == "dim1"
+        and (
+            not isinstance(c.reshard_after_forward, bool)
+            and 1 < c.reshard_after_forward < c.mesh[-1]
+        )
+    ]
     assert all(
         config.evaluate or (config.eval_no_grad and not config.eval_swap) for config in DRAWN
     )

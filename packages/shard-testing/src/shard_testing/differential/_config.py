@@ -59,6 +59,7 @@ Resume = Literal["none", "sharded", "full", "native", "in-place"]
 Accumulate = Literal["no-sync", "sync", "no-sync-keep", "no-all-reduce"]
 Init = Literal["eager", "meta"]
 Ignored = Literal["none", "norm"]
+Placement = Literal["dim0", "dim1"]
 
 
 class Pick(Protocol):
@@ -209,6 +210,10 @@ class Config:
     parameters stay whole on every rank and their gradients are not reduced (each rank
     keeps its own), as for parameters a user manages apart (a replicated norm, an expert
     handled by another parallelism)."""
+    placement: Placement = "dim0"
+    """``fully_shard`` only. ``"dim1"``: ``shard_placement_fn`` shards every 2-D parameter
+    whose second dimension the shard group divides on that dimension (``Shard(1)``, as
+    torchtitan does for expert weights); the others keep ``Shard(0)``."""
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -266,6 +271,7 @@ class Config:
         if self.front_end == "fully_shard":
             out["reshard_after_forward"] = str(self.reshard_after_forward)
             out["prefetch"] = self.prefetch
+            out["placement"] = self.placement
         else:
             out["strategy"] = self.strategy
             out["use_orig_params"] = str(self.use_orig_params)
@@ -449,7 +455,12 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
         resume_at=pick(tuple(range(1, steps))) if resume != "none" else 1,
     )
     # Drawn last, so the configurations drawn before this dimension existed keep their values.
-    return replace(config, init=pick(("eager", "meta")), ignored=pick(("none", "norm")))
+    config = replace(config, init=pick(("eager", "meta")), ignored=pick(("none", "norm")))
+    # PyTorch fails on some ranks, and hangs the others, with Shard(1) and a post-forward
+    # group smaller than the shard group (known bug torch-fully-shard-shard1-post-forward-group).
+    if front_end == "fully_shard" and not 1 < reshard < shard_size:
+        config = replace(config, placement=pick(("dim0", "dim1")))
+    return config
 
 
 def _toggles(

@@ -65,6 +65,7 @@ fresh model the same way.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import time
 import traceback
@@ -77,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from shard_testing.compat import Impl, fsdp_namespace
 from shard_testing.differential._compare import Outcome, Snapshot, Trace, compare_traces
@@ -343,6 +344,8 @@ def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         "mp_policy": policy,
         "offload_policy": offload,
     }
+    if config.placement == "dim1":
+        kwargs["shard_placement_fn"] = functools.partial(_shard_dim1, config.mesh[-1])
     units: list[nn.Module] = []
     for index, spec in enumerate(config.blocks):
         block: nn.Module = model.blocks[index]
@@ -362,6 +365,13 @@ def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
             unit_.set_modules_to_forward_prefetch(units[index + 1 : index + 2])
             unit_.set_modules_to_backward_prefetch(units[max(0, index - 1) : index])
     return model
+
+
+def _shard_dim1(shard_size: int, param: nn.Parameter) -> Shard | None:
+    """``Config.placement="dim1"``: ``Shard(1)`` where the shard group divides dimension 1."""
+    if param.ndim == 2 and param.shape[1] % shard_size == 0:
+        return Shard(1)
+    return None
 
 
 def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
