@@ -9,9 +9,9 @@ reducer: a reduce-scatter over the shard group for sharded units, an
 all-reduce for unsharded ones, and for hybrid meshes an all-reduce of the
 result across the replicate group, with the unit's divide factors applied
 once over the whole data-parallel world (FSDP1's way) or, with
-``replicas_post_divide``, after each collective (FSDP2's). Hooks are selected by registered
-name (``"bf16_compress"``) through the plugin registry, or passed as a
-callable.
+``replicas_post_divide``, after each collective (FSDP2's). Hooks are
+selected by registered name (``"bf16_compress"``) through the plugin
+registry, or passed as a callable.
 
 [Note: One reduction path]
 The engine's unit reduces its gradients through this reducer too, with or
