@@ -305,9 +305,13 @@ _ALL_BUT_HEAD = (
         steps=3,
     )
 )
-@example(Config(front_end="wrapper", init="meta", blocks=(LORA,), offload=True))
+@example(Config(front_end="wrapper", init="meta", blocks=(LORA,), offload=True, buffers=True))
 @example(Config(init="meta", ignored="norm", precision="bf16", reshard_after_forward=False))
-@example(Config(ignored="norm", microbatches=2, resume="sharded", optimizer="adamw", steps=3))
+@example(
+    Config(
+        ignored="norm", microbatches=2, resume="sharded", optimizer="adamw", steps=3, buffers=True
+    )
+)
 @example(Config(front_end="wrapper", ignored="norm", auto_wrap=True, strategy="SHARD_GRAD_OP"))
 # Shard(1) through shard_placement_fn, crossed with LoRA, ties and a sharded resume
 @example(

@@ -65,7 +65,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
         assert 1 <= config.resume_at < config.steps
     dimensions = ("front_end", "precision", "toggles", "freeze", "resume", "evaluate")
     dimensions += ("param_groups", "set_to_none", "eval_no_grad", "eval_swap", "accumulate")
-    dimensions += ("init", "ignored")
+    dimensions += ("init", "ignored", "buffers")
     values: dict[str, set[str]] = {dimension: set() for dimension in dimensions}
     for config in DRAWN:
         for dimension, seen in values.items():
@@ -80,6 +80,7 @@ def test_drawn_configurations_keep_to_what_pytorch_accepts() -> None:
     assert values["eval_swap"] == {"False", "True"}
     assert values["init"] == {"eager", "meta"}
     assert values["ignored"] == {"none", "norm"}
+    assert values["buffers"] == {"False", "True"}
     placements = {c.placement for c in DRAWN if c.front_end == "fully_shard"}
     assert placements == {"dim0", "dim1"}
     assert all(c.placement == "dim0" for c in DRAWN if c.front_end == "wrapper")

@@ -214,6 +214,10 @@ class Config:
     """``fully_shard`` only. ``"dim1"``: ``shard_placement_fn`` shards every 2-D parameter
     whose second dimension the shard group divides on that dimension (``Shard(1)``, as
     torchtitan does for expert weights); the others keep ``Shard(0)``."""
+    buffers: bool = False
+    """Each block scales its output by a persistent buffer (``scale``, drawn from the seed):
+    buffers are replicated, not sharded, and travel through state dicts, resumes and meta
+    initialisation beside the parameters."""
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -262,6 +266,7 @@ class Config:
             "resume": self.resume,
             "init": self.init,
             "ignored": self.ignored,
+            "buffers": str(self.buffers),
         }
         for spec in self.blocks:
             out[f"block.{spec.kind}"] = "yes"
@@ -460,7 +465,7 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     # group smaller than the shard group (known bug torch-fully-shard-shard1-post-forward-group).
     if front_end == "fully_shard" and not 1 < reshard < shard_size:
         config = replace(config, placement=pick(("dim0", "dim1")))
-    return config
+    return replace(config, buffers=pick((False, True)))
 
 
 def _toggles(

@@ -55,7 +55,7 @@ class Block(nn.Module):
     or zero, and FSDP must treat them the same way PyTorch does).
     """
 
-    def __init__(self, spec: BlockSpec, width: int) -> None:
+    def __init__(self, spec: BlockSpec, width: int, *, scaled: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up: nn.Module = (
@@ -64,9 +64,16 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * width, width)
         self.side = nn.Linear(width, width) if spec.side else None
         self.inner_checkpoint = spec.checkpoint == "inner"
+        self.scale: torch.Tensor | None
+        if scaled:  # Config.buffers
+            self.register_buffer("scale", torch.rand(width) + 0.5)
+        else:
+            self.scale = None
 
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.down(torch.tanh(self.up(self.norm(x))))
+        if self.scale is not None:
+            out = out * self.scale.to(out.dtype)
         return out
 
     def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
@@ -92,7 +99,9 @@ class Net(nn.Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, config.width)
-        self.blocks = nn.ModuleList(Block(spec, config.width) for spec in config.blocks)
+        self.blocks = nn.ModuleList(
+            Block(spec, config.width, scaled=config.buffers) for spec in config.blocks
+        )
         self.norm = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, VOCAB, bias=False)
         if config.tied:
