@@ -64,10 +64,12 @@ PLUMBING = [
     "full_to_flat",
     "is_flat_layout",
     "is_tensor_subclass",
+    "meta_tie_groups",
     "original_buffer_dtypes",
     "plan_units",
     "raw_module_state_dicts",
     "resolve_wrap_policy",
+    "retie",
 ]
 
 

@@ -82,8 +82,10 @@ from shard_runtime.plumbing import (
     clean_fqn,
     contiguous_dtensor,
     flat_units,
+    meta_tie_groups,
     original_buffer_dtypes,
     raw_module_state_dicts,
+    retie,
 )
 
 __all__ = [
@@ -570,12 +572,14 @@ def load_model_state_dict(
         }
     # See [Note: loading into the meta device].
     on_meta = {
-        key: value.detach().to(device).clone()
+        key: value
         for key, value in prepared.items()
         if isinstance(value, torch.Tensor) and _on_meta(targets.get(key))
     }
     for key in on_meta:
         del prepared[key]
+    if not broadcast_from_rank0:  # the caller's tensors: the model must not share them
+        on_meta = {key: value.detach().to(device, copy=True) for key, value in on_meta.items()}
     with torch.no_grad(), raw_module_state_dicts():
         nn.Module.load_state_dict(model, prepared, strict=False)
         if on_meta:
@@ -602,20 +606,9 @@ def _storage_device(units: list[FlatUnit], targets: Mapping[str, Any]) -> torch.
 
 def _assign_keeping_ties(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Assign ``values`` into the model's meta tensors; slots that shared one share its value."""
-    slots: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    for module in model.modules():
-        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for table in tables:
-            slots += [(table, k, t) for k, t in table.items() if t is not None and t.is_meta]
+    ties = meta_tie_groups(model.modules())
     nn.Module.load_state_dict(model, values, strict=False, assign=True)
-    first: dict[int, torch.Tensor] = {}
-    for table, key, old in slots:
-        now = table[key]
-        if now is None or now.is_meta:
-            continue
-        kept = first.setdefault(id(old), now)
-        if kept is not now and kept.shape == now.shape:
-            table[key] = kept
+    retie(ties)
 
 
 def _current(unit: FlatUnit, label: str) -> list[torch.Tensor]:

@@ -33,7 +33,8 @@ accelerate re-ties after FSDP's init since huggingface/accelerate#3154). So
 before calling ``param_init_fn`` we note which slots share a meta tensor,
 and afterwards point every slot of a group that ``param_init_fn`` left apart
 at the first owner's new tensor (breadth-first order; its values win, as
-with tying after eager construction), where shape and dtype still agree.
+with tying after eager construction), where shape and dtype still agree
+(``_meta_ties.py``, which shard-checkpoint's load into meta tensors uses too).
 
 [Note: One broadcast per dtype]
 ``sync_module_states`` copies rank ``src``'s states into one flat buffer per
@@ -53,6 +54,7 @@ from torch import nn
 from shard_comms import broadcast, get_device_handle
 from shard_core.errors import DeviceUnavailableError, LayoutError
 from shard_runtime._fingerprint import check_same_tensors
+from shard_runtime._meta_ties import meta_tie_groups, retie
 from shard_runtime._module_tree import modules_breadth_first
 from shard_runtime._state import get_state
 
@@ -231,11 +233,11 @@ def materialize_module(
     if param_init_fn is None:
         _reset_meta_modules(module, order, device)
         return
-    ties = _meta_ties(order)
+    ties = meta_tie_groups(order)
     for target in order:
         if any(t.is_meta for m in modules_breadth_first(target, stop) for t in _own_states(m)):
             param_init_fn(target)
-    _retie(ties)
+    retie(ties)
     names = _Names(module)
     left = [
         repr(name)
@@ -249,42 +251,6 @@ def materialize_module(
             "module it is called on real storage and values, e.g. "
             "module.to_empty(device=..., recurse=False) followed by module.reset_parameters()"
         )
-
-
-_Slot = tuple[nn.Module, str, str]  # (module, "_parameters" or "_buffers", attribute name)
-
-
-def _meta_ties(order: list[nn.Module]) -> list[list[_Slot]]:
-    """The groups of two or more slots that hold one meta tensor, first owner first.
-
-    See [Note: Meta materialisation keeps ties].
-    """
-    groups: dict[int, list[_Slot]] = {}
-    for m in order:
-        for kind in ("_parameters", "_buffers"):
-            for key, t in getattr(m, kind).items():
-                if t is not None and t.is_meta:
-                    groups.setdefault(id(t), []).append((m, kind, key))
-    return [slots for slots in groups.values() if len(slots) > 1]
-
-
-def _retie(ties: list[list[_Slot]]) -> None:
-    """Point each tie group's slots at its first slot's tensor again, where still compatible."""
-    for (first, first_kind, first_key), *rest in ties:
-        kept = getattr(first, first_kind)[first_key]
-        if kept is None or kept.is_meta:
-            continue
-        for m, kind, key in rest:
-            table = getattr(m, kind)
-            now = table[key]
-            if (
-                kind == first_kind
-                and now is not kept
-                and now is not None
-                and now.shape == kept.shape
-                and now.dtype == kept.dtype
-            ):
-                table[key] = kept
 
 
 def _reset_meta_modules(root: nn.Module, order: list[nn.Module], device: torch.device) -> None:

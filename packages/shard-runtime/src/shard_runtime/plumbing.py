@@ -6,7 +6,8 @@ units of both front ends (the wrapper's flat units and their parameters'
 keys, ``fully_shard``'s flat-sharded parameters and their conversions, the
 buffers' original dtypes, clean parameter names, DTensors built from this
 rank's piece, which tensors are users' subclasses, walking a wrapped model
-with ``nn.Module.state_dict`` as plain modules) and the wrap planning that
+with ``nn.Module.state_dict`` as plain modules, keeping meta-device ties
+through a load) and the wrap planning that
 ``shard plan`` repeats without a process group. These names may change with
 the packages that use them; a training script needs only what
 ``shard_runtime`` itself exports (as ``shard_comms.plumbing`` is to
@@ -21,6 +22,7 @@ from shard_runtime._flat_placement import (
     full_to_flat,
     is_flat_layout,
 )
+from shard_runtime._meta_ties import meta_tie_groups, retie
 from shard_runtime._param import ShardedParam
 from shard_runtime._state_dict_type import raw_module_state_dicts
 from shard_runtime._wrap_policy import plan_units, resolve_wrap_policy
@@ -44,8 +46,10 @@ __all__ = [
     "full_to_flat",
     "is_flat_layout",
     "is_tensor_subclass",
+    "meta_tie_groups",
     "original_buffer_dtypes",
     "plan_units",
     "raw_module_state_dicts",
     "resolve_wrap_policy",
+    "retie",
 ]
