@@ -99,6 +99,15 @@ def _resumes_through_dcp(config: Config) -> bool:
     return config.resume in ("sharded", "full")
 
 
+def _fsdp1_unit_under_checkpoint_wrapper(config: Config) -> bool:
+    """A wrapper unit's names carry a checkpoint_wrapper segment: the wrapper around a block's
+    own unit, or inside a unit with use_orig_params=False (PyTorch's state-dict code looks
+    such units' keys up by names that keep it)."""
+    return any(spec.checkpoint == "wrapper" for spec in config.blocks) and (
+        config.shard_blocks or not config.use_orig_params
+    )
+
+
 def _forward_without_backward(config: Config) -> bool:
     """The wrapper runs validation forwards with autograd on whose backward never runs."""
     return config.front_end == "wrapper" and config.evaluate and not config.eval_no_grad
@@ -367,8 +376,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda c: (
             c.front_end == "wrapper"
             and _resumes_through_dcp(c)
-            and any(spec.checkpoint == "wrapper" for spec in c.blocks)
-            and (c.shard_blocks or not c.use_orig_params)
+            and _fsdp1_unit_under_checkpoint_wrapper(c)
         ),
         symptom=(
             "PyTorch's set_state_dict cannot load the optimizer state get_state_dict gave "
@@ -387,8 +395,7 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         matches=lambda c: (
             c.front_end == "wrapper"
             and c.init == "meta"
-            and any(spec.checkpoint == "wrapper" for spec in c.blocks)
-            and (c.shard_blocks or not c.use_orig_params)
+            and _fsdp1_unit_under_checkpoint_wrapper(c)
         ),
         symptom=(
             "PyTorch's set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True) "

@@ -82,7 +82,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from shard_testing.compat import Impl, fsdp_namespace
 from shard_testing.differential._compare import Outcome, Snapshot, Trace, compare_traces
-from shard_testing.differential._config import Config, side_branch_runs
+from shard_testing.differential._config import Config, ignored_names, side_branch_runs
 from shard_testing.differential._models import Block, Net, batch_of
 
 if TYPE_CHECKING:
@@ -355,8 +355,8 @@ def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         if config.shard_blocks:
             ns.fully_shard(block, **kwargs)
             units.append(block)
-    ignored = {model.norm.weight, model.norm.bias} if config.ignored == "norm" else None
-    ns.fully_shard(model, **kwargs, ignored_params=ignored)
+    ignored = {model.get_parameter(name) for name in ignored_names(config)}
+    ns.fully_shard(model, **kwargs, ignored_params=ignored or None)
     if config.prefetch == "explicit" and units:
         root: Any = model
         root.set_modules_to_forward_prefetch(units[:1])
