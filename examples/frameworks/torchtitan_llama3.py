@@ -147,6 +147,7 @@ def main() -> None:
     try:
         results = _common.run_each(args.impl, lambda impl: train(impl, args.steps, args.workdir))
         _common.dump(args.out, results, dist.get_rank())
+        dist.barrier()  # every rank done before any tears down (see examples/llama)
     finally:
         dist.destroy_process_group()
 

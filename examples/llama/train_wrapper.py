@@ -109,6 +109,9 @@ def main() -> None:
         torch.save({"prompt": prompt.cpu(), "logits": logits}, args.out / "logits.pt")
         (args.out / "losses.json").write_text(json.dumps(losses) + "\n", encoding="utf-8")
         print(f"checkpoint: {args.out / 'checkpoint'}; transformers model: {hf_dir}")
+    # Every rank finishes before any tears down: a rank that leaves while gloo's worker
+    # threads still hold its last collective can abort at interpreter exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -126,6 +126,9 @@ def main() -> None:
     dcp.save(state, checkpoint_id=args.out / "checkpoint")
     if rank == 0:
         (args.out / "losses.json").write_text(json.dumps(losses) + "\n", encoding="utf-8")
+    # Every rank finishes before any tears down: a rank that leaves while gloo's worker
+    # threads still hold its last collective can abort at interpreter exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
