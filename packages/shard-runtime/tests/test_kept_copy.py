@@ -8,7 +8,8 @@ optimizer step after a validation forward, weights swapped in around it,
 ``load_state_dict``): the write is silently lost. shard gathers again (see
 [Note: a kept unsharded copy is checked before reuse] in ``_unit.py``), so the
 reference here is shard without the evaluation, whose result the evaluation
-must not change.
+must not change. An all-gather started and not waited for (``unshard(async_op=True)``,
+a prefetch) is such a copy too: a write before the forward that consumes it is not lost.
 """
 
 from __future__ import annotations
@@ -84,11 +85,18 @@ _BETWEEN: dict[str, Callable[[nn.Module, torch.optim.Optimizer], None]] = {
 
 
 def _train(
-    front: str, strategy: str, use_orig_params: bool, between: str, evaluate: bool
+    front: str,
+    strategy: str,
+    use_orig_params: bool,
+    between: str,
+    evaluate: bool,
+    prefetch: bool = False,
 ) -> list[float]:
     """Train a step, maybe evaluate, write the parameters, train two steps; the losses.
 
-    ``load_state_dict`` loads the state the model started from (a rollback)."""
+    ``load_state_dict`` loads the state the model started from (a rollback). ``prefetch``
+    starts the block's all-gather (``unshard(async_op=True)``, fully_shard) where the
+    evaluation would run, and leaves it to the next forward."""
     model = _build("shard", front, strategy, use_orig_params)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     initial = _state(model) if between == "load_state_dict" else {}
@@ -105,6 +113,9 @@ def _train(
     if evaluate:
         with torch.no_grad():
             loss()
+    if prefetch:
+        block: Any = model.blocks[0]
+        block.unshard(async_op=True)
     _BETWEEN[between](model, optim)
     if initial:
         model.load_state_dict(initial)
@@ -129,6 +140,20 @@ def test_a_write_after_evaluation_reaches_the_next_forward(
     expected = rank_pool.run(_train, 2, *args, False)
     evaluated = rank_pool.run(_train, 2, *args, True)
     assert evaluated == expected
+
+
+@pytest.mark.parametrize("between", sorted(_BETWEEN))
+@pytest.mark.parametrize("reshard", ["True", "False", "1"])
+def test_a_write_after_a_prefetch_reaches_the_next_forward(
+    rank_pool: RankPool, reshard: str, between: str
+) -> None:
+    """A block's all-gather started before its parameters are written, and left to the
+    next forward, changes nothing: that forward gathers again (every loss equals the run
+    without the prefetch, bit for bit)."""
+    args = ("fully_shard", reshard, True, between, False)
+    expected = rank_pool.run(_train, 2, *args)
+    prefetched = rank_pool.run(_train, 2, *args, True)
+    assert prefetched == expected
 
 
 class _Adapted(nn.Module):

@@ -699,19 +699,20 @@ class UnitState:
         if self.grads_ready == self.num_trainable and self._backward_done():
             self.post_backward()
 
-    def post_backward(self) -> None:
+    def post_backward(self, *, prefetch: bool = True) -> None:
         """The backward is over: reduce (or keep) the units' gradients, free their parameters.
 
         Step 2 of [Note: the path of one gradient] in ``_reduction.py``. Once per
         backward: a state that already reduced does nothing, so a driver that runs
         backward itself (``torch.distributed.pipelining``, ``_torch_state_view.py``)
-        may call it after its last micro-batch.
+        may call it after its last micro-batch. ``prefetch=False`` (the end-of-backward
+        callback) starts no ``BACKWARD_POST`` prefetch: no backward is left to use it.
         """
         if self.training_state is TrainingState.POST_BACKWARD:
             return
         root = self.root
         assert root is not None
-        if self.backward_prefetch is None and self.rules.backward_prefetch == "post":
+        if prefetch and self.backward_prefetch is None and self.rules.backward_prefetch == "post":
             for target in self._backward_prefetch_targets():
                 if target.runs_backward:
                     self._prefetch(target, backward=True)
@@ -760,7 +761,7 @@ class UnitState:
                 or unit.reduce_scatter_unused_params
                 for unit in state.units
             ):
-                state.post_backward()
+                state.post_backward(prefetch=False)
                 continue
             for unit in state.units:
                 if unit.sharded_state is ShardedState.SHARDED_POST_FORWARD or (

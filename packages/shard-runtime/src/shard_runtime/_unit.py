@@ -266,6 +266,8 @@ class Unit:
     # what a copy kept unsharded was gathered from; see [Note: a kept unsharded copy is
     # checked before reuse]
     _kept_from: _KeptFrom | None = None
+    # what an all-gather started without waiting (a prefetch) gathers: the same note
+    _gathering_from: _KeptFrom | None = None
     _materialized: bool = False  # no shard on the meta device; checked once per init_compute
     # called once per trainable leaf whose gradient autograd accumulated (the state's hook)
     _on_grad_ready: Callable[[torch.Tensor], None] | None = None
@@ -425,6 +427,11 @@ class Unit:
     # other writes are seen alike where every rank makes them, as code that writes every
     # parameter does (a write to an empty tensor counts too). Writes through ``.data`` move
     # no counter and stay unseen, as in PyTorch.
+    #
+    # A prefetch (an all-gather started and not waited for) is a copy too: one left in flight
+    # past a write (issued after a backward's last unit was done, or for a unit the forward
+    # never reached) would serve the next forward the values from before the write. Its
+    # sources are remembered when it is issued, and checked the same way.
 
     def keep_unsharded(self) -> None:
         """The unit stays unsharded after its forward or backward, or keeps its post-forward
@@ -437,18 +444,26 @@ class Unit:
     def drop_stale_copy(self) -> None:
         """Before a forward: reshard a kept copy written since it was kept, carrying writes
         made to the unsharded parameters into the shards."""
+        gathering, self._gathering_from = self._gathering_from, None
+        if gathering is not None and self.gather_in_flight and self._moved(gathering):
+            self.reshard()  # waits for the gather and drops it; the forward gathers again
+            return
         kept, self._kept_from = self._kept_from, None
         if kept is None or self.sharded_state is ShardedState.SHARDED:
             return
-        moved = kept.optimizer_steps != optimizer_steps() or (
-            kept.shards != self.layout.source_versions()
-        )
+        moved = self._moved(kept)
         if not moved and self.sharded_state is ShardedState.UNSHARDED:
             # Carried into the shards, writes to the unsharded parameters make the copy stale.
             moved = self.layout.write_back_faces(kept.faces)
         if moved:
             # The copy, or the post-forward group's rows, no longer match the shards.
             self.reshard()
+
+    def _moved(self, copied: _KeptFrom) -> bool:
+        """Whether the shards were written since ``copied`` was taken from them."""
+        return copied.optimizer_steps != optimizer_steps() or (
+            copied.shards != self.layout.source_versions()
+        )
 
     def unshard(self, *, async_op: bool = False) -> None:
         """Start (or, with ``async_op=False``, complete) the all-gather of this unit."""
@@ -480,7 +495,9 @@ class Unit:
                 output, send, work = self._gather_shards()
             issued = stream.record_event()
         self._pending_gather = _PendingGather(work, output, send, issued)
-        if not async_op:
+        if async_op:  # See [Note: a kept unsharded copy is checked before reuse].
+            self._gathering_from = _KeptFrom(optimizer_steps(), self.layout.source_versions(), ())
+        else:
             self.wait_for_unshard()
 
     def _gather_shards(self) -> tuple[torch.Tensor, torch.Tensor, CommHandle]:
