@@ -324,6 +324,50 @@ _ALL_BUT_HEAD = (
         steps=3,
     )
 )
+# BACKWARD_POST after a forward whose backward never ran: the end-of-backward callback
+# reduces the units and must leave no prefetch in flight past the optimizer step
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec()),
+        backward_prefetch="BACKWARD_POST",
+        steps=3,
+        evaluate=True,
+        eval_no_grad=False,
+    )
+)
+@example(
+    Config(
+        front_end="wrapper",
+        blocks=(BlockSpec(), BlockSpec()),
+        strategy="SHARD_GRAD_OP",
+        backward_prefetch="BACKWARD_POST",
+        steps=3,
+        evaluate=True,
+        eval_no_grad=False,
+    )
+)
+# Compiled blocks (aot_eager): LoRA under a checkpoint wrapper, resumed; the wrapper's flat
+# parameters in bf16
+@example(
+    Config(
+        compile=True,
+        blocks=(LORA, BlockSpec(checkpoint="wrapper", side=True)),
+        resume="sharded",
+        optimizer="adamw",
+        steps=3,
+    )
+)
+@example(
+    Config(
+        front_end="wrapper",
+        compile=True,
+        blocks=(BlockSpec(checkpoint="wrapper"), LORA),
+        use_orig_params=False,
+        precision="bf16",
+        evaluate=True,
+    )
+)
 def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 2-rank configurations agrees step by step (bitwise in fp32)."""
     assume(not known_bugs_in(config))
@@ -367,6 +411,17 @@ def test_sample_on_two_ranks(rank_pool: RankPool, config: Config) -> None:
 @example(Config(world_size=4, mesh=(2, 2), optimizer="adamw", resume="full", evaluate=True))
 @example(
     Config(world_size=4, mesh=(2, 2), placement="dim1", microbatches=2, accumulate="no-all-reduce")
+)
+@example(
+    Config(
+        world_size=4,
+        mesh=(2, 2),
+        compile=True,
+        blocks=(BlockSpec(), LORA),
+        prefetch="explicit",
+        microbatches=2,
+        accumulate="no-sync-keep",
+    )
 )
 def test_sample_on_four_ranks(rank_pool: RankPool, config: Config) -> None:
     """A fixed sample of 4-rank configurations agrees: 2-D meshes, int reshard_after_forward."""
@@ -561,3 +616,34 @@ def test_weights_swapped_around_evaluation_change_nothing(
     the swap."""
     assert "torch-kept-unsharded-copy-reused-after-write" in known_bugs_in(config)
     assert rank_pool.run(_swapped_against_plain, 2, config) == [[], []]
+
+
+def _compiled_against_eager(config: Config) -> list[str]:
+    """shard with its blocks compiled against shard running them eagerly."""
+    return _shard_against_shard(dataclasses.replace(config, compile=False), config)
+
+
+_COMPILED_AFTER_A_STEP = [
+    Config(front_end="wrapper", blocks=(BlockSpec(side=True),), set_to_none=False, steps=3),
+    Config(
+        front_end="wrapper",
+        blocks=(LORA, BlockSpec()),
+        strategy="SHARD_GRAD_OP",
+        precision="bf16-reduce-fp32",
+        set_to_none=False,
+        evaluate=True,
+        optimizer="adamw",
+    ),
+]
+
+
+@pytest.mark.parametrize("config", _COMPILED_AFTER_A_STEP, ids=["side-branch", "evaluate"])
+def test_blocks_compiled_again_after_a_step_train_as_eager_ones(
+    rank_pool: RankPool, config: Config
+) -> None:
+    """Where PyTorch's FSDP1 fails to compile a block again once gradients are kept
+    (torch-fsdp1-compile-again-kept-grad), shard's compiled blocks train bit for bit as
+    its eager ones."""
+    compiled = dataclasses.replace(config, compile=True)
+    assert "torch-fsdp1-compile-again-kept-grad" in known_bugs_in(compiled)
+    assert rank_pool.run(_compiled_against_eager, 2, compiled) == [[], []]

@@ -218,6 +218,10 @@ class Config:
     """Each block scales its output by a persistent buffer (``scale``, drawn from the seed):
     buffers are replicated, not sharded, and travel through state dicts, resumes and meta
     initialisation beside the parameters."""
+    compile: bool = False
+    """Each block is compiled in place (``block.compile(backend="aot_eager")``): under
+    ``fully_shard`` after its checkpoint wrapper and before sharding (torchtitan's order),
+    under the wrapper before wrapping. See [Note: compiled blocks] in ``_run.py``."""
     freeze: Freeze = field(default="none", compare=False)
     """How ``frozen`` was chosen (for per-dimension counts only)."""
 
@@ -267,6 +271,7 @@ class Config:
             "init": self.init,
             "ignored": self.ignored,
             "buffers": str(self.buffers),
+            "compile": str(self.compile),
         }
         for spec in self.blocks:
             out[f"block.{spec.kind}"] = "yes"
@@ -465,7 +470,9 @@ def draw_config(pick: Pick, *, world_sizes: Sequence[int] = (2, 4)) -> Config:
     # group smaller than the shard group (known bug torch-fully-shard-shard1-post-forward-group).
     if front_end == "fully_shard" and not 1 < reshard < shard_size:
         config = replace(config, placement=pick(("dim0", "dim1")))
-    return replace(config, buffers=pick((False, True)))
+    config = replace(config, buffers=pick((False, True)))
+    # One in four: a compiled configuration takes several times an eager one's time.
+    return replace(config, compile=pick((False, False, False, True)))
 
 
 def _toggles(

@@ -494,6 +494,31 @@ KNOWN_BUGS: tuple[KnownBug, ...] = (
         ),
     ),
     KnownBug(
+        name="torch-fsdp1-compile-again-kept-grad",
+        culprit="torch",
+        matches=lambda c: (
+            c.front_end == "wrapper"
+            and c.compile
+            and c.use_orig_params
+            and not c.set_to_none
+            and c.steps > 1
+            and (c.evaluate or any(spec.side for spec in c.blocks))
+        ),
+        symptom=(
+            "PyTorch's FSDP1 (use_orig_params=True) with compiled blocks and gradients kept "
+            "between steps (zero_grad(set_to_none=False)): when Dynamo compiles a block "
+            "again after the first step (the side branch switches, or model.eval() for a "
+            "validation forward), it fails in the forward with InternalTorchDynamoError "
+            "'attempting to assign a gradient of size [184] to a tensor of size [368]' (the "
+            "flat parameter is unsharded, its kept gradient sharded) or, in bf16, 'a "
+            "gradient with dtype float to a tensor with grad_dtype BFloat16'. shard's "
+            "compiled blocks train as its eager ones (right: "
+            "test_blocks_compiled_again_after_a_step_train_as_eager_ones). Minimal: "
+            "Config(front_end='wrapper', blocks=(BlockSpec(side=True),), set_to_none=False, "
+            "compile=True)"
+        ),
+    ),
+    KnownBug(
         name="torch-kept-unsharded-copy-reused-after-write",
         culprit="torch",
         matches=lambda c: c.evaluate and c.eval_swap and _keeps_gathered_units(c),

@@ -60,6 +60,21 @@ with ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``.
 A value the load misses, a tied weight ``to_empty`` unties, a frozen flag or
 a dtype the meta path loses shows in the first step. Resuming builds the
 fresh model the same way.
+
+[Note: compiled blocks]
+``Config.compile`` compiles every block in place with ``aot_eager``: Dynamo
+traces the block's forward (the parameters the unit swaps in and out become
+graph inputs, its hooks stay eager) and AOTAutograd builds the joint graph
+of forward and backward, but the kernels are eager ATen ones, so compiled
+runs compare bitwise as eager ones do and no C++ compiler is needed (CI has
+none for Inductor). What it finds is the engine meeting Dynamo: a parameter
+object, a storage or a ``requires_grad`` flag the graph's guards or inputs
+see differently from PyTorch's, a recompile or a silent fallback. Each run
+starts from ``torch._dynamo.reset()``: the pool's ranks outlive
+configurations, and a graph cached by the previous one would hide a
+recompile. ``fully_shard`` compiles after the checkpoint wrapper and before
+sharding (torchtitan's order), the wrapper before wrapping (the wrapper then
+adds its checkpoint wrapper around the unit).
 """
 
 from __future__ import annotations
@@ -161,6 +176,10 @@ def run_impl(config: Config, impl: Impl) -> Trace:
     """
     trace = Trace()
     step, phase = -1, "build"
+    if config.compile:  # See [Note: compiled blocks].
+        import torch._dynamo
+
+        torch._dynamo.reset()
     try:
         try:
             model, optim = _build(config, impl)
@@ -352,6 +371,8 @@ def _fully_shard(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         if spec.checkpoint == "wrapper":
             block = _checkpoint_wrapper(block)
             model.blocks[index] = block
+        if config.compile:  # See [Note: compiled blocks].
+            block.compile(backend="aot_eager")
         if config.shard_blocks:
             ns.fully_shard(block, **kwargs)
             units.append(block)
@@ -403,6 +424,9 @@ def _wrap(ns: ModuleType, model: Net, config: Config) -> nn.Module:
         kwargs["param_init_fn"] = _to_empty_on_cpu
     if len(config.mesh) == 2:
         kwargs["device_mesh"] = mesh_for(config)
+    if config.compile:  # See [Note: compiled blocks].
+        for each in model.blocks:
+            each.compile(backend="aot_eager")
     if config.auto_wrap:
         policy = importlib.import_module(f"{ns.__name__}.wrap").ModuleWrapPolicy({Block})
         root: Any = ns.FullyShardedDataParallel(
