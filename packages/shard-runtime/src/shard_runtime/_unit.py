@@ -585,7 +585,7 @@ class Unit:
             self.wait_for_unshard()
         self.layout.to_sharded()
         self._post_forward_shard = None
-        self._kept_from = None
+        self._kept_from = self._gathering_from = None
         self.sharded_state = ShardedState.SHARDED
 
     def reshard_post_forward(self) -> None:
