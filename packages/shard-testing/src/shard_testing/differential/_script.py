@@ -75,10 +75,14 @@ def _spawned(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         found = check_on_rank()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-    if found:
-        sys.exit(1)
+    # Leave without the interpreter's teardown: gloo's threads can abort it ("terminate
+    # called without an active exception"), which would read as a discrepancy.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if found else 0)
 
 
 def main() -> int:
